@@ -1,0 +1,1 @@
+"""Shared tooling for the kernel workspace: build, checks, hub server, publish, lock, benchmarks."""

@@ -1,0 +1,1 @@
+"""GPU benchmark harness: timing protocol, per-kernel cases, results files and reports."""

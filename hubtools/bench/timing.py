@@ -1,0 +1,117 @@
+"""The measurement protocol shared by every kernel benchmark (see CONTRIBUTING.md).
+
+- Device ceilings are measured in the same run: copy bandwidth eagerly with events (a copy captured
+  in a CUDA graph runs on the copy engines and under-reads the ceiling), bf16 matmul FLOP/s.
+- Kernels are timed by CUDA-graph replay: many calls captured in one graph, each call on the next
+  of a set of rotated inputs so that the working set is far larger than L2 and every call streams from HBM.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import sys
+from typing import Callable, Sequence
+
+import torch
+
+L2_FLUSH_BYTES = 400 * 2**20  # rotate through at least this many bytes of distinct inputs
+
+
+def warm_clocks(seconds: float = 0.5) -> None:
+    """Run bf16 matmuls for a while so clocks are up before anything is timed."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(10):
+            a @ a
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > seconds * 1e3:
+            return
+
+
+def _event_time(fn: Callable[[], object], iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def measure_copy_bandwidth(nbytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting read + write, eager with events."""
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = min(_event_time(lambda: dst.copy_(src), 20) for _ in range(3))
+    return 2 * nbytes / t
+
+
+def measure_matmul_flops(n: int = 8192) -> float:
+    """Dense bf16 n^3 matmul throughput in FLOP/s."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = min(_event_time(lambda: a @ a, 20) for _ in range(3))
+    return 2 * n**3 / t
+
+
+def rotation_count(bytes_per_call: int, min_copies: int = 2, max_copies: int = 64) -> int:
+    """How many distinct input sets to rotate through so their total exceeds L2_FLUSH_BYTES."""
+    need = -(-L2_FLUSH_BYTES // max(bytes_per_call, 1))
+    return int(min(max(need, min_copies), max_copies))
+
+
+def time_graph(
+    fn: Callable[[int], object], n_inputs: int, *, calls: int | None = None, replays: int = 5
+) -> float:
+    """Seconds per call of `fn(i)` (i indexes the rotated inputs), by CUDA-graph replay.
+
+    `calls` calls (default: enough to cycle the inputs at least twice, at least 20) are captured in one
+    graph after a warm-up on a side stream; the graph is replayed `replays` times and the best replay
+    is divided by `calls`.
+    """
+    calls = calls or max(20, 2 * n_inputs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(min(n_inputs, 3) + 1):
+            fn(i % n_inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % n_inputs)
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del graph
+    return best / calls
+
+
+def environment(command: Sequence[str] | None = None) -> dict:
+    """GPU, date, versions and the command: stamped on every results file and figure."""
+    import triton  # noqa: PLC0415  (GPU-only tooling)
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": props.name,
+        "sm_count": props.multi_processor_count,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "command": " ".join(command if command is not None else sys.argv),
+    }

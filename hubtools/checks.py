@@ -1,0 +1,169 @@
+"""Checks a build must pass before it can be published; each failure names the file and the fix.
+
+- build.toml parses with the parser inside the `kernels` wheel (what kernel-builder and the loader read);
+- every torch.library registration takes `add_op_namespace_prefix(...)` directly (kernel-builder's
+  namespace check: hard-coded or wrapped names collide silently across builds);
+- python-depends only names packages `kernels` allows;
+- each variant imports through `kernels.get_local_kernel` in a fresh process, its layers follow the
+  `kernels` layer rules, and the `torch-cpu` variant imports and runs with triton absent.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .workspace import KernelProject
+
+REGISTRATION_FUNCTIONS = {
+    "custom_op",
+    "triton_op",
+    "register_kernel",
+    "register_fake",
+    "register_vmap",
+    "register_torch_dispatch",
+    "register_autograd",
+}
+PREFIX_HELPER = "add_op_namespace_prefix"
+
+
+class CheckError(Exception):
+    """A build that must not be published."""
+
+
+def check_build_toml(project: KernelProject) -> None:
+    from kernels._rust import Build
+
+    try:
+        Build.open(project.root)
+    except Exception as exc:  # the Rust parser raises plain exceptions with the reason
+        raise CheckError(f"{project.root / 'build.toml'}: rejected by the kernels parser: {exc}") from exc
+
+
+def _registration_name(func: ast.expr) -> str | None:
+    """'custom_op' for `torch.library.custom_op`, `library.custom_op` or a bare imported `custom_op`."""
+    if isinstance(func, ast.Attribute) and func.attr in REGISTRATION_FUNCTIONS:
+        base = func.value
+        if isinstance(base, ast.Attribute) and base.attr == "library":
+            return func.attr
+        if isinstance(base, ast.Name) and base.id == "library":
+            return func.attr
+        return None  # a method such as `op.register_fake` takes no name
+    if isinstance(func, ast.Name) and func.id in REGISTRATION_FUNCTIONS:
+        return func.id
+    return None
+
+
+def _is_prefix_call(node: ast.expr) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == PREFIX_HELPER
+
+
+def namespace_violations(source: str, filename: str) -> list[str]:
+    """Registrations whose op name is not `add_op_namespace_prefix(...)` passed directly."""
+    problems = []
+    tree = ast.parse(source, filename=filename)
+    decorators = {
+        id(d) for node in ast.walk(tree) if hasattr(node, "decorator_list") for d in node.decorator_list
+    }
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not (name := _registration_name(node.func)):
+            continue
+        first = node.args[0] if node.args else None
+        # Decorators must name the op through the helper; plain calls may pass an op object instead.
+        bad = (
+            first is None
+            or (id(node) in decorators and not _is_prefix_call(first))
+            or isinstance(first, (ast.Constant, ast.JoinedStr, ast.BinOp))
+            or (isinstance(first, ast.Call) and not _is_prefix_call(first))
+        )
+        if bad:
+            problems.append(
+                f"{filename}:{node.lineno}: torch.library.{name} must take {PREFIX_HELPER}(\"<op>\") "
+                f"(from ._ops) directly as its first argument"
+            )
+    return problems
+
+
+def check_op_namespaces(project: KernelProject) -> None:
+    problems = []
+    for path in sorted(project.package_dir.rglob("*.py")):
+        problems += namespace_violations(path.read_text(), str(path))
+    if problems:
+        raise CheckError("\n".join(problems))
+
+
+def check_python_depends(project: KernelProject) -> None:
+    import kernels
+
+    allowed = json.loads((Path(kernels.__file__).parent / "python_depends.json").read_text())
+    for dep in project.python_depends:
+        per_backend = [allowed["backends"].get(b, {}) for b in project.backends]
+        if dep not in allowed["general"] and not all(dep in b for b in per_backend):
+            raise CheckError(
+                f"{project.root / 'build.toml'}: python-depends entry {dep!r} is not in the list kernels allows "
+                f"({sorted(allowed['general'])} plus per-backend packages); triton comes with torch, do not list it"
+            )
+
+
+# Run in a fresh interpreter: import the variant with the real loader, check layers, run the smoke call.
+_VARIANT_PROBE = r"""
+import importlib, inspect, json, sys
+spec = json.loads(sys.argv[1])
+if spec["hide_triton"]:
+    sys.modules["triton"] = None  # import fails and find_spec returns None, as on a CPU torch wheel
+import torch, kernels
+from kernels.layer.layer import _validate_layer  # kernels' own layer rules; private, so used only here
+k = kernels.get_local_kernel(__import__("pathlib").Path(spec["variant"]), backend=spec["backend"])
+missing = [n for n in getattr(k, "__all__", ()) if not hasattr(k, n)]
+assert hasattr(k, "__all__") and not missing, f"__all__ is missing or names undefined symbols {missing}"
+for layer_name, target in spec["layers"].items():
+    cls = getattr(k.layers, layer_name)
+    module, _, qual = target.partition(":")
+    ref = getattr(importlib.import_module(module), qual)
+    _validate_layer(check_cls=ref, cls=cls, repo=f"layers.{layer_name}")
+    for flag in ("can_torch_compile", "has_backward"):
+        assert flag in vars(cls), f"layers.{layer_name} must declare {flag} explicitly"
+if spec["smoke"]:
+    out = eval(spec["smoke"], {"k": k, "torch": torch})
+    print("smoke:", type(out).__name__)
+print("ok", k.__name__)
+"""
+
+
+def check_variant_imports(project: KernelProject, built: Path, backend: str, *, hide_triton: bool = False) -> str:
+    """Import one variant through kernels.get_local_kernel in a fresh process; return its output."""
+    variant = built / "build" / f"torch-{backend}"
+    spec = {
+        "variant": str(variant),
+        # Only "cpu" or the running torch's backend may be requested; other variants load as a path.
+        "backend": "cpu" if backend == "cpu" else None,
+        "hide_triton": hide_triton,
+        "layers": project.layers,
+        "smoke": project.smoke if backend == "cpu" else None,
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", _VARIANT_PROBE, json.dumps(spec)], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+        what = "without triton " if hide_triton else ""
+        raise CheckError(f"{variant}: does not import {what}through kernels.get_local_kernel:\n{tail}")
+    return result.stdout
+
+
+def check_source(project: KernelProject) -> None:
+    """The checks that read only the source folder."""
+    check_build_toml(project)
+    check_op_namespaces(project)
+    check_python_depends(project)
+
+
+def check_build(project: KernelProject, built: Path) -> None:
+    """The checks that load the built variants."""
+    for backend in project.backends:
+        check_variant_imports(project, built, backend)
+    if "cpu" in project.backends:
+        check_variant_imports(project, built, "cpu", hide_triton=True)

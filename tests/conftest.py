@@ -1,0 +1,74 @@
+"""Session fixtures: kernels are built with the real builder and loaded with `kernels.get_local_kernel`.
+
+Tests never import the source tree, so packaging is exercised on every run. Without CUDA the session
+runs Triton kernels through the interpreter (TRITON_INTERPRET must be set before triton is imported).
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hubtools.build import build_kernel  # noqa: E402
+from hubtools.workspace import Workspace  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def workspace() -> Workspace:
+    return Workspace.load(ROOT)
+
+
+@pytest.fixture(scope="session")
+def built_kernel_dir(workspace, tmp_path_factory):
+    """`built_kernel_dir("rmsnorm")` -> folder holding `build/torch-*`; each kernel is built once."""
+    out = tmp_path_factory.mktemp("builds")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_kernel(workspace.kernel(name), out)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def load_kernel(built_kernel_dir):
+    """`load_kernel("rmsnorm")` -> the kernel module, imported from its build by kernels.get_local_kernel."""
+    import kernels
+
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            loaded[name] = kernels.get_local_kernel(built_kernel_dir(name) / "build")
+        return loaded[name]
+
+    return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip cleanly on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.fspath.basename.endswith("_gpu.py"):
+            item.add_marker(skip)
+
+
+
+@pytest.fixture
+def scratch_workspace(tmp_path) -> Path:
+    """A committed git copy of this workspace in a temporary folder, for tests that edit or publish."""
+    from scratch import make_scratch_workspace
+
+    return make_scratch_workspace(tmp_path / "workspace")
