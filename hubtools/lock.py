@@ -36,6 +36,21 @@ def lock_project(project_dir: Path, *, trust_remote_code: bool | list[str] = Fal
     return lockfile
 
 
+def download_locked(project_dir: Path) -> None:
+    """Put every locked commit into the kernels cache, whole, so `load_kernel(lockfile=...)` works offline.
+
+    `load_kernel` checks the cached snapshot against the commit's full file list, so the one variant
+    that `get_locked_kernel` downloads is not enough.
+    """
+    from kernels._rust import KernelLocks
+    from kernels.hf_hub import CACHE_DIR, _get_hf_api
+
+    api = _get_hf_api()
+    for dependency, lock in KernelLocks.from_json((project_dir / "kernels.lock").read_text()).items():
+        api.snapshot_download(dependency.repo_id, repo_type="kernel", revision=lock.commit, cache_dir=CACHE_DIR)
+        print(f"cached {dependency.repo_id}@{lock.commit}")
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -45,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         "--trust-remote-code", nargs="*", metavar="REPO",
         help="allow these repos (no names: all) even if their org is not a trusted publisher",
     )
+    parser.add_argument("--download", action="store_true", help="only cache the locked commits for offline use")
     args = parser.parse_args(argv)
+    if args.download:
+        download_locked(args.project)
+        return 0
     trust = False if args.trust_remote_code is None else (args.trust_remote_code or True)
     lockfile = lock_project(args.project, trust_remote_code=trust)
     print(f"wrote {lockfile}")

@@ -145,7 +145,7 @@ def test_check_fails_on_a_layer_without_declared_flags(scratch_workspace, tmp_pa
 
 def test_check_fails_when_cpu_variant_needs_triton(scratch_workspace, tmp_path):
     project = Workspace.load(scratch_workspace).kernel("rmsnorm")
-    _edit(project, "__init__.py", lambda s: "import triton  # unguarded\n" + s)
+    _edit(project, "__init__.py", lambda s: s + "\nimport triton  # unguarded\n")
     built = build_kernel(project, tmp_path)
     checks.check_variant_imports(project, built, "cpu")  # fine while triton is installed
     with pytest.raises(checks.CheckError, match="without triton"):
