@@ -226,9 +226,8 @@ def summary(rows: list[dict], copy_bw: float) -> list[str]:
 # Tuning sweep: candidates per M bucket, timed through the kernel's launchers (explicit configs).
 
 def _gemv_candidates() -> list[dict]:
-    shapes = [(16, 16, 4, False), (8, 16, 4, False), (16, 8, 4, False), (32, 8, 4, False),
-              (16, 8, 4, True), (8, 16, 4, True), (16, 16, 4, True), (8, 8, 4, True), (32, 4, 4, True),
-              (16, 4, 4, True), (16, 8, 8, True)]  # (block_n, tiles, num_warps, prefetch)
+    shapes = [(16, 16, 4, False), (8, 16, 4, False), (16, 8, 4, False), (8, 32, 4, False), (32, 8, 4, False),
+              (16, 16, 4, True), (8, 16, 4, True), (32, 16, 8, False)]  # (block_n, tiles, num_warps, prefetch)
     return [{"kernel": "gemv", "block_n": bn, "tiles": t, "split_k": 1, "num_warps": w, "num_stages": 1,
              "prefetch": pf} for bn, t, w, pf in shapes]
 
@@ -323,10 +322,15 @@ def tune(kernel, shapes=SHAPES, tokens=(1, 16, 64, 256, 1024), log: Callable[[st
                 log(f"{label} M={m}: best {best[0] * 1e6:.1f} us ({shape.our_bytes(m) / best[0] / 1e12:.2f} TB/s) {best[1]}")
         del shape
         torch.cuda.empty_cache()
-    # The heuristic's M ranges for shapes without a table entry, from where each path won here.
-    dequant_from = [m for m in sorted(winners) if all(c["kernel"] == "dequant" for c in winners[m])]
-    heuristic = {"gemv_max_m": max([m for m in winners if all(c["kernel"] == "gemv" for c in winners[m])] or [1]),
-                 "dequant_min_m": dequant_from[0] if dequant_from else 512}
+    # The heuristic's M ranges for shapes without a table entry, from where each path won here (only the
+    # ranges this sweep could decide: GEMV is a candidate at M = 1 only, dequantize from M = 256).
+    heuristic = {}
+    if 1 in winners:
+        heuristic["gemv_max_m"] = 1
+    large = [m for m in sorted(winners) if m >= 256]
+    if large:
+        dequant_from = [m for m in large if all(c["kernel"] == "dequant" for c in winners[m])]
+        heuristic["dequant_min_m"] = dequant_from[0] if dequant_from else 2 * large[-1]
     code = {}
     for m in (1, 16):
         if m in winners and winners[m]:
@@ -366,9 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     tuned["device"] = env["gpu"]
     args.out.write_text(json.dumps(tuned, indent=1) + "\n")
     print(f"wrote {args.out}")
-    if args.table:
-        table = {"device": env["gpu"], "measured": {k: env[k] for k in ("date", "torch", "triton", "cuda", "command")},
-                 "heuristic": tuned["heuristic"], "shapes": tuned["shapes"]}
+    if args.table:  # merged into an existing table: entries of shapes and M buckets not swept here stay
+        table = json.loads(args.table.read_text()) if args.table.exists() else {"shapes": {}, "heuristic": {}}
+        table["device"] = env["gpu"]
+        table.setdefault("measured", []).append({k: env[k] for k in ("date", "torch", "triton", "cuda", "command")})
+        table["heuristic"].update(tuned["heuristic"])
+        for shape, entry in tuned["shapes"].items():
+            table["shapes"].setdefault(shape, {}).update(entry)
+        args.table.parent.mkdir(parents=True, exist_ok=True)
         args.table.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         print(f"wrote {args.table}")
     if args.code:

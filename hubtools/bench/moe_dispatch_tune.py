@@ -1,0 +1,219 @@
+"""Measure block-size candidates on a GPU and write the tuned configs the package ships.
+
+    python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --out DIR [--compile-only --shard I/N]
+    python -m hubtools.bench.moe_dispatch_tune --configs-from docs/benchmarks/moe-dispatch-tune-results.json \
+        --out moe-dispatch/torch-ext/moe_dispatch
+
+BUILD_DIR is a built kernel (`scripts/publish.py --build-only --out X moe-dispatch` -> X/moe-dispatch/build).
+`--compile-only` runs shard I of N of the candidate calls once, to fill Triton's disk cache from several
+processes at a time; the timing run then finds every kernel compiled. Timing follows
+hubtools/bench/timing.py (CUDA-graph replay, two rotated copies of the layer so weights stream from
+HBM). Writes DIR/tune-results.json (every measurement) and DIR/configs/E=..,H=..,I=..,dtype=bfloat16.json
+(the fastest config per token count); `--configs-from` redoes that last step from a saved results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from .timing import time_graph, warm_clocks
+
+SHAPES = {  # name: (experts, top_k, hidden, intermediate, token counts)
+    "mixtral-8x7b": (8, 2, 4096, 14336, (1, 16, 128, 1024, 4096, 16384)),
+    "deepseek-v3": (256, 8, 7168, 2048, (1, 16, 128, 1024, 4096)),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, (1, 16, 128, 1024, 4096, 16384)),
+}
+DECODE = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages) for either decode kernel
+    (16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 6), (64, 128, 4, 4),
+]
+
+
+def _gemm(n, k, group, warps, stages):
+    return {"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": group, "num_warps": warps, "num_stages": stages}
+
+
+GROUPED = {  # name: BLOCK_M, gate_up, down
+    "m128_n128": (128, _gemm(128, 64, 8, 8, 3), _gemm(128, 64, 8, 8, 4)),
+    "m128_n256": (128, _gemm(128, 64, 8, 8, 4), _gemm(256, 64, 8, 8, 3)),
+    "m128_n64": (128, _gemm(64, 64, 8, 4, 4), _gemm(128, 64, 8, 4, 4)),
+    "m64_n128": (64, _gemm(128, 64, 8, 4, 4), _gemm(128, 64, 8, 4, 4)),
+    "m64_n64": (64, _gemm(64, 64, 8, 4, 5), _gemm(64, 128, 8, 4, 4)),
+    "m32_n64": (32, _gemm(64, 64, 8, 4, 4), _gemm(64, 64, 8, 4, 4)),
+    "m16_n64": (16, _gemm(64, 128, 8, 4, 4), _gemm(64, 128, 8, 4, 4)),
+    "m16_n32": (16, _gemm(32, 128, 8, 4, 5), _gemm(32, 256, 8, 4, 4)),
+}
+
+
+def grouped_candidates(tokens: int) -> list[str]:
+    if tokens <= 128:
+        return ["m64_n128", "m64_n64", "m32_n64", "m16_n64", "m16_n32"]
+    if tokens <= 1024:
+        return ["m128_n128", "m128_n256", "m128_n64", "m64_n128", "m64_n64", "m32_n64"]
+    return ["m128_n128", "m128_n256", "m128_n64", "m64_n128", "m64_n64"]
+
+
+def decode_config(gate_up, down) -> dict:
+    def one(c):
+        return {"BLOCK_N": c[0], "BLOCK_K": c[1], "num_warps": c[2], "num_stages": c[3]}
+
+    return {"gate_up": one(gate_up), "down": one(down)}
+
+
+def grouped_config(name: str) -> dict:
+    block_m, gate_up, down = GROUPED[name]
+    return {"BLOCK_M": block_m, "gate_up": gate_up, "down": down}
+
+
+class Problem:
+    """Rotated layer copies and routed inputs for one (model, T)."""
+
+    def __init__(self, tk, shape, tokens: int, copies: int):
+        experts, self.top_k, hidden, intermediate, _ = shape
+        self.tk = tk
+        g = torch.Generator(device="cuda").manual_seed(tokens)
+        self.layers = [(torch.empty(experts, 2 * intermediate, hidden, device="cuda", dtype=torch.bfloat16)
+                        .normal_(0, hidden**-0.5, generator=g),
+                        torch.empty(experts, hidden, intermediate, device="cuda", dtype=torch.bfloat16)
+                        .normal_(0, intermediate**-0.5, generator=g)) for _ in range(copies)]
+        self.inputs = []
+        for _ in range(copies):
+            x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+            ids = torch.rand(tokens, experts, device="cuda", generator=g).argsort(1)[:, :self.top_k].int()
+            weights = torch.rand(tokens, self.top_k, device="cuda", generator=g)
+            self.inputs.append((x, weights / weights.sum(1, keepdim=True), ids, torch.empty_like(x)))
+
+    def call(self, config):
+        def fn(i):
+            x, weights, ids, out = self.inputs[i]
+            return self.tk.experts(x, *self.layers[i], weights, ids, out, config=config)
+
+        return fn
+
+
+def jobs(tk, names):
+    """(model, T, label, config) for every candidate; decode down candidates use the default gate_up."""
+    for name in names:
+        experts, top_k, hidden, intermediate, tokens = SHAPES[name]
+        for T in tokens:
+            if T <= tk.DECODE_MAX_TOKENS:
+                base = tk.default_config(T, experts, hidden, intermediate, top_k, torch.device("cuda"))
+                for c in DECODE:
+                    yield name, T, f"gate_up{c}", {**base, "gate_up": decode_config(c, c)["gate_up"]}
+                    yield name, T, f"down{c}", {**base, "down": decode_config(c, c)["down"]}
+            else:
+                for cand in grouped_candidates(T):
+                    yield name, T, cand, grouped_config(cand)
+
+
+def compile_shard(tk, names, shard: int, shards: int) -> None:
+    problems = {}
+    for i, (name, T, _, config) in enumerate(jobs(tk, names)):
+        if i % shards != shard:
+            continue
+        if (name, T) not in problems:
+            problems.clear()
+            torch.cuda.empty_cache()
+            problems[(name, T)] = Problem(tk, SHAPES[name], T, 1)
+        problems[(name, T)].call(config)(0)
+    torch.cuda.synchronize()
+
+
+def measure(problem: Problem, config: dict) -> float:
+    """Graph-replay seconds per call, ~20 ms of calls per graph (an eager call sizes it)."""
+    fn = problem.call(config)
+    fn(0)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(0)
+    end.record()
+    end.synchronize()
+    calls = int(min(40, max(4, 0.02 / (start.elapsed_time(end) / 1e3))))
+    return time_graph(fn, len(problem.inputs), calls=calls, replays=3)
+
+
+def tune(tk, names) -> list[dict]:
+    """Every candidate's time; decode kernels one at a time, the other at its best so far."""
+    warm_clocks()
+    results = []
+    for name in names:
+        experts, top_k, hidden, intermediate, tokens = SHAPES[name]
+        for T in tokens:
+            problem = Problem(tk, SHAPES[name], T, 2)
+            if T <= tk.DECODE_MAX_TOKENS:
+                config = tk.default_config(T, experts, hidden, intermediate, top_k, torch.device("cuda"))
+                for kernel in ("gate_up", "down"):
+                    timed = []
+                    for c in DECODE:
+                        trial = {**config, kernel: decode_config(c, c)[kernel]}
+                        timed.append((measure(problem, trial), trial))
+                        results.append({"model": name, "T": T, "kernel": kernel, "candidate": list(c),
+                                        "seconds": timed[-1][0]})
+                    config = min(timed, key=lambda tc: tc[0])[1]
+            else:
+                for cand in grouped_candidates(T):
+                    results.append({"model": name, "T": T, "candidate": cand,
+                                    "seconds": measure(problem, grouped_config(cand))})
+            print(name, T, f"{min(r['seconds'] for r in results if (r['model'], r['T']) == (name, T)) * 1e6:.1f} us",
+                  flush=True)
+            del problem
+            torch.cuda.empty_cache()
+    return results
+
+
+def best_configs(results: list[dict]) -> dict[str, dict[int, dict]]:
+    """The fastest candidate per (model, T); for decode the fastest of each kernel."""
+    def fastest(rows):
+        return min(rows, key=lambda r: r["seconds"])["candidate"]
+
+    best: dict[str, dict[int, dict]] = {}
+    for name, T in sorted({(r["model"], r["T"]) for r in results}, key=lambda mt: (mt[0], mt[1])):
+        rows = [r for r in results if (r["model"], r["T"]) == (name, T)]
+        if "kernel" in rows[0]:
+            config = decode_config(fastest([r for r in rows if r["kernel"] == "gate_up"]),
+                                   fastest([r for r in rows if r["kernel"] == "down"]))
+        else:
+            config = grouped_config(fastest(rows))
+        best.setdefault(name, {})[T] = config
+    return best
+
+
+def write_configs(results: list[dict], directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, per_t in best_configs(results).items():
+        experts, _, hidden, intermediate, _ = SHAPES[name]
+        path = directory / f"E={experts},H={hidden},I={intermediate},dtype=bfloat16.json"
+        path.write_text(json.dumps({str(t): c for t, c in sorted(per_t.items())}, indent=1) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("build", type=Path, nargs="?")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--configs-from", type=Path, help="a saved tune-results.json: only write the configs")
+    parser.add_argument("--models", nargs="*", default=list(SHAPES))
+    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--shard", default="0/1", help="I/N: this process's share of --compile-only")
+    args = parser.parse_args()
+    if args.configs_from:
+        write_configs(json.loads(args.configs_from.read_text()), args.out / "configs")
+        return
+
+    import kernels
+
+    tk = kernels.get_local_kernel(args.build).ops.triton_kernels
+    if args.compile_only:
+        shard, shards = map(int, args.shard.split("/"))
+        compile_shard(tk, args.models, shard, shards)
+    else:
+        results = tune(tk, args.models)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tune-results.json").write_text(json.dumps(results, indent=1) + "\n")
+        write_configs(results, args.out / "configs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Fused Mixture-of-Experts forward: routing, sort by expert, grouped SwiGLU experts and combine."""
+
+from __future__ import annotations
+
+import torch
+
+from . import layers, ops
+from .layers import experts_forward
+
+__all__ = ["route", "fused_experts", "moe_forward", "experts_forward", "layers"]
+
+
+def route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True,
+          correction_bias: torch.Tensor | None = None, num_groups: int | None = None,
+          topk_groups: int | None = None, scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of `router_logits` [T, E] -> (topk_weights float32 [T, k], topk_ids int32 [T, k]).
+
+    scoring="softmax" (Mixtral, Qwen3-MoE): softmax over all experts, top-k, optionally renormalized.
+    scoring="sigmoid" (DeepSeek-V3): sigmoid scores; `correction_bias` [E] is added for selection only;
+    with `num_groups`, only the `topk_groups` groups with the best top-2 sums compete. Weights are the
+    (renormalized) scores times `scaling_factor`. Ids come in descending order of selection score.
+    """
+    ops.require_tensors(router_logits=router_logits, correction_bias=correction_bias)
+    ops.check_int("top_k", top_k, 1)
+    return ops.route(router_logits, top_k, scoring, renormalize, correction_bias, num_groups, topk_groups,
+                     scaling_factor)
+
+
+def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, activation: str = "silu") -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j] -> [T, H].
+
+    hidden_states [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I]; the layout of
+    transformers' experts modules. fp16, bf16 or fp32.
+    """
+    ops.require_tensors(hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights,
+                        topk_ids=topk_ids)
+    return ops.fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation)
+
+
+def moe_forward(hidden_states: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True,
+                correction_bias: torch.Tensor | None = None, num_groups: int | None = None,
+                topk_groups: int | None = None, scaling_factor: float = 1.0,
+                shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole MoE block on hidden_states [..., H]: router logits (hidden_states @ router_weight^T, in the
+    router weight's dtype), `route`, `fused_experts`, plus an optional shared expert applied to every
+    token (shared_gate_up [2I', H], shared_down [H, I'])."""
+    ops.require_tensors(hidden_states=hidden_states, router_weight=router_weight, w_gate_up=w_gate_up, w_down=w_down,
+                        correction_bias=correction_bias, shared_gate_up=shared_gate_up, shared_down=shared_down)
+    ops.check_int("top_k", top_k, 1)
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1]) if hidden_states.dim() != 2 else hidden_states
+    out = ops.moe_forward(flat, router_weight, w_gate_up, w_down, top_k, scoring, renormalize, correction_bias,
+                          num_groups, topk_groups, scaling_factor, shared_gate_up, shared_down)
+    return out.view(hidden_states.shape)

@@ -1,0 +1,237 @@
+"""torch.library registration of the MoE ops: input checks, Triton / PyTorch dispatch, fake kernels.
+
+Dispatch: the Triton path when triton is importable and the tensor is not on the CPU, or when
+TRITON_INTERPRET=1 (read at call time); otherwise the PyTorch path in `reference.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+from . import reference
+from ._ops import add_op_namespace_prefix
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON:
+    from . import triton_kernels
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ID_DTYPES = (torch.int32, torch.int64)
+SCORINGS = ("softmax", "sigmoid")
+ACTIVATIONS = ("silu",)
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return HAS_TRITON and (t.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Input checks (shapes, dtypes, devices: no device data is read, so they also run on fake tensors)
+# ----------------------------------------------------------------------------------------------------
+
+
+def check_tensor(name: str, t, dims: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have a dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+
+
+def require_tensors(**named) -> None:
+    """TypeError naming the argument, before the dispatcher rejects a non-tensor with a generic error."""
+    for name, value in named.items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_same_device(**tensors: torch.Tensor | None) -> None:
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+
+
+def _check_routing(num_experts: int, top_k: int, scoring: str, correction_bias: torch.Tensor | None,
+                   num_groups: int | None, topk_groups: int | None, scaling_factor: float) -> None:
+    check_int("top_k", top_k, 1)
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} exceeds the number of experts ({num_experts})")
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    if not isinstance(scaling_factor, (int, float)) or isinstance(scaling_factor, bool):
+        raise TypeError(f"scaling_factor must be a float, got {type(scaling_factor).__name__}")
+    if correction_bias is not None:
+        check_tensor("correction_bias", correction_bias, 1, FLOAT_DTYPES)
+        if correction_bias.shape[0] != num_experts:
+            raise ValueError(f"correction_bias has {correction_bias.shape[0]} entries for {num_experts} experts")
+    if (num_groups is None) != (topk_groups is None):
+        raise ValueError("num_groups and topk_groups must be given together")
+    if num_groups is not None:
+        check_int("num_groups", num_groups, 1)
+        check_int("topk_groups", topk_groups, 1)
+        if num_experts % num_groups or (num_groups > 1 and num_experts // num_groups < 2):
+            raise ValueError(f"num_groups={num_groups} must divide the {num_experts} experts into groups of >= 2")
+        if topk_groups > num_groups:
+            raise ValueError(f"topk_groups={topk_groups} exceeds num_groups={num_groups}")
+        if top_k > topk_groups * (num_experts // num_groups):
+            raise ValueError(f"top_k={top_k} exceeds the experts in the {topk_groups} kept groups")
+
+
+def _check_weights(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    check_tensor("hidden_states", hidden_states, 2, FLOAT_DTYPES)
+    check_tensor("w_gate_up", w_gate_up, 3, (hidden_states.dtype,))
+    check_tensor("w_down", w_down, 3, (hidden_states.dtype,))
+    _check_same_device(hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down)
+    hidden = hidden_states.shape[1]
+    experts, intermediate = w_down.shape[0], w_down.shape[2]
+    if w_down.shape[1] != hidden:
+        raise ValueError(f"w_down must be [E, H, I] with H={hidden} (hidden_states {tuple(hidden_states.shape)}), "
+                         f"got {tuple(w_down.shape)}")
+    if w_gate_up.shape != (experts, 2 * intermediate, hidden):
+        raise ValueError(f"w_gate_up must be [E, 2I, H] = {[experts, 2 * intermediate, hidden]} to match "
+                         f"hidden_states {tuple(hidden_states.shape)} and w_down {tuple(w_down.shape)}, "
+                         f"got {tuple(w_gate_up.shape)}")
+
+
+def _check_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str) -> None:
+    _check_weights(hidden_states, w_gate_up, w_down)
+    check_tensor("topk_weights", topk_weights, 2, FLOAT_DTYPES)
+    check_tensor("topk_ids", topk_ids, 2, ID_DTYPES)
+    _check_same_device(hidden_states=hidden_states, topk_weights=topk_weights, topk_ids=topk_ids)
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
+                         f"be [T, k] with T={hidden_states.shape[0]}")
+    if topk_ids.shape[1] > w_down.shape[0]:
+        raise ValueError(f"top_k={topk_ids.shape[1]} exceeds the number of experts ({w_down.shape[0]})")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _check_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Range check, only where it needs no device sync (CPU tensors); on GPUs such ids select nothing."""
+    if topk_ids.device.type == "cpu" and topk_ids.numel():
+        low, high = int(topk_ids.min()), int(topk_ids.max())
+        if low < 0 or high >= num_experts:
+            raise ValueError(f"topk_ids must lie in [0, {num_experts}), got values in [{low}, {high}]")
+
+
+def _check_moe(hidden_states, router_weight, w_gate_up, w_down, shared_gate_up, shared_down) -> None:
+    _check_weights(hidden_states, w_gate_up, w_down)
+    check_tensor("router_weight", router_weight, 2, (hidden_states.dtype, torch.float32))
+    if router_weight.shape[1] != hidden_states.shape[1]:
+        raise ValueError(f"router_weight must be [E, H] with H={hidden_states.shape[1]}, got "
+                         f"{tuple(router_weight.shape)}")
+    if router_weight.shape[0] != w_gate_up.shape[0]:
+        raise ValueError(f"router_weight has {router_weight.shape[0]} experts, w_gate_up {w_gate_up.shape[0]}")
+    if (shared_gate_up is None) != (shared_down is None):
+        raise ValueError("shared_gate_up and shared_down must be given together")
+    if shared_gate_up is not None:
+        check_tensor("shared_gate_up", shared_gate_up, 2, (hidden_states.dtype,))
+        check_tensor("shared_down", shared_down, 2, (hidden_states.dtype,))
+        shared_i = shared_down.shape[1]
+        if shared_gate_up.shape != (2 * shared_i, hidden_states.shape[1]) or shared_down.shape[0] != hidden_states.shape[1]:
+            raise ValueError(f"shared_gate_up must be [2I, H] and shared_down [H, I], got "
+                             f"{tuple(shared_gate_up.shape)} and {tuple(shared_down.shape)}")
+    _check_same_device(hidden_states=hidden_states, router_weight=router_weight, w_gate_up=w_gate_up,
+                       shared_gate_up=shared_gate_up, shared_down=shared_down)
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels index the last dimension with stride 1."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ops
+# ----------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(add_op_namespace_prefix("route"), mutates_args=())
+def route(router_logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool,
+          correction_bias: Optional[torch.Tensor], num_groups: Optional[int], topk_groups: Optional[int],
+          scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    check_tensor("router_logits", router_logits, 2, FLOAT_DTYPES)
+    _check_routing(router_logits.shape[1], top_k, scoring, correction_bias, num_groups, topk_groups, scaling_factor)
+    _check_same_device(router_logits=router_logits, correction_bias=correction_bias)
+    args = (top_k, scoring == "sigmoid", renormalize, _rows(correction_bias), num_groups or 1, topk_groups or 1,
+            scaling_factor)
+    if use_triton(router_logits):
+        return triton_kernels.route(_rows(router_logits), *args)
+    return reference.route(router_logits, *args)
+
+
+@route.register_fake
+def _(router_logits, top_k, scoring, renormalize, correction_bias, num_groups, topk_groups, scaling_factor):
+    check_tensor("router_logits", router_logits, 2, FLOAT_DTYPES)
+    _check_routing(router_logits.shape[1], top_k, scoring, correction_bias, num_groups, topk_groups, scaling_factor)
+    tokens = router_logits.shape[0]
+    return (router_logits.new_empty(tokens, top_k, dtype=torch.float32),
+            router_logits.new_empty(tokens, top_k, dtype=torch.int32))
+
+
+@torch.library.custom_op(add_op_namespace_prefix("fused_experts"), mutates_args=())
+def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
+    _check_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation)
+    _check_id_values(topk_ids, w_down.shape[0])
+    if use_triton(hidden_states):
+        out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+        return triton_kernels.experts(_rows(hidden_states), _rows(w_gate_up), _rows(w_down),
+                                      topk_weights.contiguous(), topk_ids.contiguous(), out)
+    return reference.fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+@fused_experts.register_fake
+def _(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation):
+    _check_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation)
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("moe_forward"), mutates_args=())
+def moe_forward(hidden_states: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, top_k: int, scoring: str, renormalize: bool,
+                correction_bias: Optional[torch.Tensor], num_groups: Optional[int], topk_groups: Optional[int],
+                scaling_factor: float, shared_gate_up: Optional[torch.Tensor],
+                shared_down: Optional[torch.Tensor]) -> torch.Tensor:
+    _check_moe(hidden_states, router_weight, w_gate_up, w_down, shared_gate_up, shared_down)
+    _check_routing(w_gate_up.shape[0], top_k, scoring, correction_bias, num_groups, topk_groups, scaling_factor)
+    routing = (top_k, scoring == "sigmoid", renormalize, _rows(correction_bias), num_groups or 1, topk_groups or 1,
+               scaling_factor)
+    if use_triton(hidden_states):
+        # a shared expert of the routed intermediate size rides along as an extra expert
+        fuse_shared = shared_down is not None and shared_down.shape[1] == w_down.shape[2]
+        out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+        triton_kernels.moe_forward(_rows(hidden_states), _rows(router_weight), _rows(w_gate_up), _rows(w_down),
+                                   *routing, _rows(shared_gate_up) if fuse_shared else None,
+                                   _rows(shared_down) if fuse_shared else None, out)
+        if shared_down is not None and not fuse_shared:
+            out += reference.dense_expert(hidden_states, shared_gate_up, shared_down)
+        return out
+    weights, ids = reference.route(reference.router_logits(hidden_states, router_weight), *routing)
+    out = reference.fused_experts(hidden_states, w_gate_up, w_down, weights, ids)
+    if shared_down is not None:
+        out = out + reference.dense_expert(hidden_states, shared_gate_up, shared_down)
+    return out
+
+
+@moe_forward.register_fake
+def _(hidden_states, router_weight, w_gate_up, w_down, top_k, scoring, renormalize, correction_bias, num_groups,
+      topk_groups, scaling_factor, shared_gate_up, shared_down):
+    _check_moe(hidden_states, router_weight, w_gate_up, w_down, shared_gate_up, shared_down)
+    _check_routing(w_gate_up.shape[0], top_k, scoring, correction_bias, num_groups, topk_groups, scaling_factor)
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)

@@ -1,0 +1,449 @@
+"""w4a16 on the CPU: the Triton kernels through the interpreter and the PyTorch path, small shapes.
+
+References are float64 matmuls with the dequantized weight, on fresh random data. Checkpoint tensors are
+built the way GPTQ (AutoGPTQ / GPTQModel), AutoAWQ and bitsandbytes lay them out (packing axis, nibble
+order, zero-point convention), independently of the importers under test.
+"""
+
+import math
+
+import pytest
+import torch
+
+# (fmt, zero_point, group_size, K): K is a multiple of the group size and, apart from the per-tile
+# cases, not of the 128-column tile (the masked tails run too); N = 72 pads to 128 rows.
+FORMATS = [
+    ("int4", False, 128, 384),
+    ("int4", True, 128, 384),
+    ("int4", False, 32, 320),
+    ("int4", True, 64, 320),
+    ("int4", False, -1, 200),
+    ("int4", True, -1, 200),
+    ("nf4", False, 64, 320),
+]
+FORMAT_IDS = [f"{f}-{'zp' if z else 'sym'}-g{g}" for f, z, g, _ in FORMATS]
+N = 72
+CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot and row chunks covered
+    "gemv": {"kernel": "gemv", "block_n": 64, "tiles": 2, "split_k": 1},
+    "gemv-split-prefetch": {"kernel": "gemv", "block_n": 128, "tiles": 1, "split_k": 2, "prefetch": True},
+    "dot-planes": {"kernel": "dot", "block_m": 16, "block_n": 128, "split_k": 1},
+    "dot-full-swap-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
+                            "full_tile": True},
+    "dequant-chunks": {"kernel": "dequant", "chunk_n": 128},
+}
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # one rounding of the result (and of weights on dot paths)
+
+
+@pytest.fixture(scope="module")
+def k(load_kernel):
+    return load_kernel("w4a16")
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Force the PyTorch path: the dispatch reads TRITON_INTERPRET at call time."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _weight(n, kk, dtype=torch.float16, seed=0):
+    return (torch.randn(n, kk, generator=_gen(seed)) * 0.1).to(dtype)
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _reference(k, x, qw, bias=None):
+    out = x.double() @ k.dequantize(qw, torch.float32).double().t()
+    return out if bias is None else out + bias.double()
+
+
+def _pack_along(codes: torch.Tensor, dim: int, order=range(8)) -> torch.Tensor:
+    """Pack 4-bit codes 8 to an int32 along `dim`; nibble i holds element 8c + order[i] (int64 math, then
+    two's complement), as the checkpoint tools do."""
+    codes = codes.movedim(dim, -1).long()
+    groups = codes.reshape(*codes.shape[:-1], -1, 8)
+    word = torch.zeros(groups.shape[:-1], dtype=torch.int64)
+    for i, j in enumerate(order):
+        word |= groups[..., j] << (4 * i)
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return word.movedim(-1, dim)
+
+
+# --- the layout ------------------------------------------------------------------------------------------
+
+def test_layout_tiles_nibbles_as_documented(k):
+    codes = torch.randint(0, 16, (130, 200), generator=_gen(1), dtype=torch.uint8)
+    packed = k.formats.pack(codes)
+    assert packed.shape == (256, 256 // 8) and packed.dtype == torch.int32
+    for n, col in [(0, 0), (5, 17), (129, 199), (77, 128), (3, 143)]:
+        tile, j, c = col // 128, (col % 128) // 16, col % 16
+        assert (int(packed[n, tile * 16 + c]) >> (4 * j)) & 0xF == codes[n, col]
+    assert torch.equal(k.formats.unpack(packed, (130, 200)), codes)
+
+
+# --- quantize / dequantize -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt,zero_point,group_size,kk", FORMATS, ids=FORMAT_IDS)
+def test_quantize_error_bound(k, torch_path, fmt, zero_point, group_size, kk, dtype):
+    w = _weight(N, kk, dtype, seed=2)
+    if zero_point:
+        w = w + 0.05  # off-centre groups, where zero points matter
+    qw = k.quantize(w, group_size=group_size, zero_point=zero_point, fmt=fmt)
+    assert qw.shape == (N, kk) and qw.dtype == dtype and qw.scales.dtype == dtype
+    deq = k.dequantize(qw, torch.float32).double()
+    g = kk if group_size == -1 else group_size
+    scale = qw.scales[: kk // g, :N].double().t().repeat_interleave(g, dim=1)  # [N, K]
+    err = (deq - w.double()).abs()
+    if fmt == "int4":  # round to nearest: half a step, plus up to 16 steps times the scale's rounding (bf16: 2**-8)
+        assert (err <= scale * (0.5 + 16 * 2**-8) + 1e-7).all()
+    else:  # nearest NF4 code of w / absmax: no other code is closer
+        codebook = torch.tensor(k.NF4_CODEBOOK, dtype=torch.float64)
+        normalized = w.double() / scale
+        best = (normalized.unsqueeze(-1) - codebook).abs().min(-1).values
+        assert (err / scale <= best + 1e-3).all()
+    assert _rel_err(deq, w.double()) < 0.2  # 4 bits: ~7-12 % for normal weights
+
+
+def test_symmetric_codes_use_zero_point_eight(k):
+    w = _weight(N, 256, torch.float32, seed=3)
+    qw = k.quantize(w, group_size=128)
+    codes = k.formats.unpack(qw.qweight, qw.shape).long()
+    ref = torch.round(w.view(N, 2, 128) / qw.scales[:2, :N].t().unsqueeze(-1)).clamp(-8, 7) + 8
+    assert torch.equal(codes, ref.view(N, 256).long())
+
+
+@pytest.mark.parametrize("fmt,zero_point,group_size,kk", FORMATS, ids=FORMAT_IDS)
+def test_triton_dequantize_equals_pytorch(k, monkeypatch, fmt, zero_point, group_size, kk):
+    qw = k.quantize(_weight(N, kk, seed=4), group_size=group_size, zero_point=zero_point, fmt=fmt)
+    triton_out = k.dequantize(qw, torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert torch.equal(triton_out, k.dequantize(qw, torch.float32))
+
+
+# --- matmul: every launch path in the interpreter, and the PyTorch path ----------------------------------
+
+@pytest.mark.parametrize("path", list(CONFIGS))
+@pytest.mark.parametrize("fmt,zero_point,group_size,kk", FORMATS, ids=FORMAT_IDS)
+def test_triton_paths_fp16(k, fmt, zero_point, group_size, kk, path):
+    _check_launch(k, fmt, zero_point, group_size, kk, CONFIGS[path], torch.float16, m=3 if path != "dot-planes" else 17)
+
+
+@pytest.mark.parametrize("path", list(CONFIGS))
+@pytest.mark.parametrize("fmt,zero_point,group_size,kk", [FORMATS[1], FORMATS[6]], ids=[FORMAT_IDS[1], FORMAT_IDS[6]])
+def test_triton_paths_bf16(k, fmt, zero_point, group_size, kk, path):
+    _check_launch(k, fmt, zero_point, group_size, kk, CONFIGS[path], torch.bfloat16, m=2)
+
+
+def _check_launch(k, fmt, zero_point, group_size, kk, config, dtype, m):
+    n = 200 if config["kernel"] == "dequant" else N  # two row chunks of 128
+    qw = k.quantize(_weight(n, kk, dtype, seed=5), group_size=group_size, zero_point=zero_point, fmt=fmt)
+    x = torch.randn(m, kk, generator=_gen(6)).to(dtype)
+    bias = torch.randn(n, generator=_gen(7)).to(dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype)  # poisoned: every element must be written
+    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, group_size, config, out=out)
+    assert not out.isnan().any()
+    assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("m", [1, 5, 40, 600])
+def test_public_matmul_dispatches_by_m(k, m):
+    """Through the op: M=1 GEMV, small M the tl.dot path, large M dequantize + matmul (interpreter)."""
+    qw = k.quantize(_weight(N, 384, seed=8), group_size=128, zero_point=True)
+    x = torch.randn(m, 384, generator=_gen(9)).half()
+    out = k.matmul(x, qw)
+    assert out.shape == (m, N) and out.dtype == torch.float16
+    assert _rel_err(out, _reference(k, x, qw)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt,zero_point,group_size,kk", FORMATS, ids=FORMAT_IDS)
+def test_pytorch_path(k, torch_path, fmt, zero_point, group_size, kk, dtype):
+    qw = k.quantize(_weight(N, kk, dtype, seed=10), group_size=group_size, zero_point=zero_point, fmt=fmt)
+    x = torch.randn(2, 3, kk, generator=_gen(11)).to(dtype)
+    bias = torch.randn(N, generator=_gen(12)).to(dtype)
+    out = k.matmul(x, qw, bias)
+    assert out.shape == (2, 3, N) and out.dtype == dtype
+    assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[dtype]
+
+
+def test_matmul_with_no_tokens(k):
+    qw = k.quantize(_weight(N, 384), group_size=128)
+    assert k.matmul(torch.empty(0, 384, dtype=torch.float16), qw).shape == (0, N)
+
+
+def test_ops_pass_opcheck(k, torch_path):
+    qw = k.quantize(_weight(N, 256, seed=13), group_size=64, zero_point=True)
+    x = torch.randn(3, 256, generator=_gen(14)).half()
+    args = (x, qw.qweight, qw.scales, qw.zeros, qw.codebook, qw.perm, None, N, 256, 64)
+    torch.library.opcheck(k.ops.matmul_op, args)
+    torch.library.opcheck(k.ops.dequantize_op, (qw.qweight, qw.scales, qw.zeros, qw.codebook, qw.perm, N, 256, 64,
+                                                torch.float32))
+
+
+def test_gradient_wrt_x(k, torch_path):
+    qw = k.quantize(_weight(N, 256, torch.float32, seed=15), group_size=64)
+    x = torch.randn(4, 256, generator=_gen(16)).half().requires_grad_()
+    bias = torch.randn(N, generator=_gen(17)).half().requires_grad_()
+    grad = torch.randn(4, N, generator=_gen(18)).half()
+    k.matmul(x, qw, bias).backward(grad)
+    weight = k.dequantize(qw, torch.float32).double()
+    assert _rel_err(x.grad, grad.double() @ weight) < 3e-3
+    assert torch.allclose(bias.grad.double(), grad.double().sum(0), rtol=1e-2, atol=1e-2)
+
+
+# --- importers: tensors built as the checkpoint tools build them ----------------------------------------
+
+def _gptq_tensors(kk, n, g, zeros, seed):
+    """AutoGPTQ layout: qweight [K/8, N] packed along K (natural nibble order), qzeros [G, N/8] packed
+    along N, scales [G, N]; `zeros` holds what the checkpoint stores."""
+    codes = torch.randint(0, 16, (kk, n), generator=_gen(seed))
+    scales = (torch.rand(kk // g, n, generator=_gen(seed + 1)) * 0.01 + 1e-3).half()
+    return codes, _pack_along(codes, 0), _pack_along(zeros, 1), scales
+
+
+@pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2"])
+def test_gptq_zero_point_conventions(k, torch_path, checkpoint_format):
+    kk, n, g = 256, 48, 64
+    real_zeros = torch.randint(1, 16, (kk // g, n), generator=_gen(20))  # v1 cannot store a zero of 0
+    stored = real_zeros - 1 if checkpoint_format == "gptq" else real_zeros
+    codes, qweight, qzeros, scales = _gptq_tensors(kk, n, g, stored, seed=21)
+    qw = k.from_gptq(qweight, qzeros, scales, sym=False, checkpoint_format=checkpoint_format)
+    group = torch.arange(kk) // g
+    want = (codes - real_zeros[group]).double() * scales.double()[group]  # [K, N]
+    assert torch.equal(k.dequantize(qw, torch.float32).double(), want.t().float().double())
+
+
+def test_gptq_symmetric_v1_and_v2_and_mixups(k, torch_path):
+    kk, n, g = 256, 48, 128
+    for fmt, stored in (("gptq", 7), ("gptq_v2", 8)):
+        codes, qweight, qzeros, scales = _gptq_tensors(kk, n, g, torch.full((kk // g, n), stored), seed=22)
+        qw = k.from_gptq(qweight, qzeros, scales, checkpoint_format=fmt)
+        assert qw.zeros is None
+        want = (codes - 8).double() * scales.double()[torch.arange(kk) // g]
+        assert torch.equal(k.dequantize(qw, torch.float32).double(), want.t().float().double())
+    # v1 tensors read as v2 (or the reverse) shift every weight by one step: refused under sym=True.
+    _, qweight, qzeros, scales = _gptq_tensors(kk, n, g, torch.full((kk // g, n), 7), seed=23)
+    with pytest.raises(ValueError, match="gptq_v2"):
+        k.from_gptq(qweight, qzeros, scales, checkpoint_format="gptq_v2")
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["interpreter", "pytorch"])
+def test_gptq_act_order(k, monkeypatch, triton):
+    if not triton:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    kk, n, g = 384, 40, 128
+    real_zeros = torch.randint(0, 16, (kk // g, n), generator=_gen(24))
+    codes, qweight, qzeros, scales = _gptq_tensors(kk, n, g, real_zeros, seed=25)
+    g_idx = (torch.randperm(kk, generator=_gen(26)) // g).int()  # desc_act: groups scattered over K
+    qw = k.from_gptq(qweight, qzeros, scales, g_idx, sym=False, checkpoint_format="gptq_v2")
+    assert qw.perm is not None
+    weight = (codes - real_zeros[g_idx.long()]).double() * scales.double()[g_idx.long()]  # [K, N]
+    assert torch.allclose(k.dequantize(qw, torch.float32).double(), weight.t(), rtol=0, atol=1e-6)
+    x = torch.randn(3, kk, generator=_gen(27)).half()
+    assert _rel_err(k.matmul(x, qw), x.double() @ weight) < TOL[torch.float16]
+
+
+def test_gptq_trivial_g_idx_needs_no_permutation(k):
+    _, qweight, qzeros, scales = _gptq_tensors(256, 16, 128, torch.full((2, 16), 7), seed=28)
+    qw = k.from_gptq(qweight, qzeros, scales, (torch.arange(256) // 128).int())
+    assert qw.perm is None
+
+
+def test_awq_nibble_order_and_packing_axis(k, torch_path):
+    kk, n, g = 256, 64, 128
+    codes = torch.randint(0, 16, (kk, n), generator=_gen(30))  # AutoAWQ's intweight, [K, N]
+    zeros = torch.randint(0, 16, (kk // g, n), generator=_gen(31))
+    scales = (torch.rand(kk // g, n, generator=_gen(32)) * 0.01 + 1e-3).half()
+    awq_order = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM packing: nibble i <- column 8c + order[i]
+    qw = k.from_awq(_pack_along(codes, 1, awq_order), _pack_along(zeros, 1, awq_order), scales)
+    group = torch.arange(kk) // g
+    want = (codes - zeros[group]).double() * scales.double()[group]
+    assert torch.equal(k.dequantize(qw, torch.float32).double(), want.t().float().double())
+    # The same codes packed in natural nibble order are a different checkpoint: the order is read, not assumed.
+    natural = k.from_awq(_pack_along(codes, 1), _pack_along(zeros, 1), scales)
+    assert not torch.equal(k.dequantize(natural), k.dequantize(qw))
+
+
+def _bnb_quantize(w: torch.Tensor, blocksize: int, codebook: torch.Tensor):
+    """bitsandbytes' NF4 layout: blocks over the flattened weight, absmax per block (fp32), nearest code,
+    two codes per byte with the first in the high nibble, storage [N*K/2, 1] uint8."""
+    flat = w.float().reshape(-1, blocksize)
+    absmax = flat.abs().amax(1)
+    normalized = (flat / absmax[:, None]).clamp(-1, 1).reshape(-1)
+    codes = (normalized[:, None] - codebook).abs().argmin(1).to(torch.uint8)
+    return (codes[::2] << 4 | codes[1::2]).unsqueeze(1), absmax, codes
+
+
+def test_bnb_nf4_import(k, torch_path):
+    n, kk, blocksize = 40, 256, 64
+    w = _weight(n, kk, torch.float32, seed=33)
+    codebook = torch.tensor(k.NF4_CODEBOOK)
+    packed, absmax, codes = _bnb_quantize(w, blocksize, codebook)
+    qw = k.from_bnb_nf4(packed, absmax, shape=(n, kk), blocksize=blocksize, dtype=torch.bfloat16)
+    want = (codebook[codes.long()].view(-1, blocksize) * absmax[:, None]).view(n, kk)
+    assert torch.equal(k.dequantize(qw, torch.float32), want)
+    assert k.dequantize(qw).dtype == torch.bfloat16
+    # This kernel's own NF4 quantization picks the same codes and block absmax from an fp32 weight.
+    ours = k.quantize(w, group_size=blocksize, fmt="nf4")
+    assert torch.equal(k.formats.unpack(ours.qweight, (n, kk)).reshape(-1), codes)
+
+
+def test_bnb_nf4_nested_absmax(k, torch_path):
+    n, kk, blocksize, nested_blocksize = 32, 256, 64, 64
+    w = _weight(n, kk, torch.float32, seed=34)
+    packed, absmax, codes = _bnb_quantize(w, blocksize, torch.tensor(k.NF4_CODEBOOK))
+    offset = absmax.mean().item()  # bitsandbytes' double quantization: 8-bit codes of absmax - mean
+    centred = (absmax - offset).view(-1, nested_blocksize)
+    nested_absmax = centred.abs().amax(1)
+    nested_map = torch.linspace(-1, 1, 256)
+    absmax_codes = ((centred / nested_absmax[:, None]).reshape(-1, 1) - nested_map).abs().argmin(1).to(torch.uint8)
+    qw = k.from_bnb_nf4(packed, absmax_codes, shape=(n, kk), blocksize=blocksize, nested_absmax=nested_absmax,
+                        nested_quant_map=nested_map, nested_blocksize=nested_blocksize, offset=offset)
+    restored = nested_map[absmax_codes.long()] * nested_absmax.repeat_interleave(nested_blocksize) + offset
+    want = torch.tensor(k.NF4_CODEBOOK)[codes.long()].view(-1, blocksize) * restored[:, None]
+    assert torch.equal(k.dequantize(qw, torch.float32), want.view(n, kk))
+
+
+# --- save / load, modules --------------------------------------------------------------------------------
+
+def test_safetensors_round_trip(k, tmp_path):
+    _, qweight, qzeros, scales = _gptq_tensors(384, 40, 128, torch.randint(0, 16, (3, 40), generator=_gen(35)), 36)
+    weights = {
+        "act_order": k.from_gptq(qweight, qzeros, scales, (torch.randperm(384, generator=_gen(37)) // 128).int(),
+                                 sym=False, checkpoint_format="gptq_v2"),
+        "nf4": k.quantize(_weight(N, 320, torch.bfloat16), group_size=64, fmt="nf4"),
+        "per_channel": k.quantize(_weight(N, 200), group_size=-1, zero_point=True),
+    }
+    k.save_quantized(weights, tmp_path / "w.safetensors")
+    loaded = k.load_quantized(tmp_path / "w.safetensors")
+    assert set(loaded) == set(weights)
+    for name, qw in weights.items():
+        again = loaded[name]
+        assert (again.shape, again.group_size, again.fmt, again.dtype) == (qw.shape, qw.group_size, qw.fmt, qw.dtype)
+        assert again.tensors().keys() == qw.tensors().keys()
+        assert all(torch.equal(again.tensors()[f], t) for f, t in qw.tensors().items())
+    k.save_quantized(weights["nf4"], tmp_path / "one.safetensors")
+    assert isinstance(k.load_quantized(tmp_path / "one.safetensors"), k.QuantizedWeight)
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="save_quantized"):
+        k.load_quantized(tmp_path / "other.safetensors")
+
+
+def test_quantize_model_replaces_linears(k, torch_path):
+    torch.manual_seed(38)
+    model = torch.nn.Sequential()
+    model.add_module("up", torch.nn.Linear(96, 160))
+    model.add_module("act", torch.nn.SiLU())
+    model.add_module("down", torch.nn.Linear(160, 96, bias=False))
+    model.add_module("lm_head", torch.nn.Linear(96, 50))
+    model = model.half()
+    x = torch.randn(5, 96, generator=_gen(39)).half()
+    want = model(x).double()
+    k.quantize_model(model, group_size=32)
+    assert isinstance(model.up, k.W4A16Linear) and isinstance(model.down, k.W4A16Linear)
+    assert type(model.lm_head) is torch.nn.Linear
+    got = model(x)
+    assert got.dtype == torch.float16 and _rel_err(got, want) < 0.15  # 4-bit weights' own error
+    hidden = torch.nn.functional.silu(k.matmul(x, model.up.quantized_weight, model.up.bias))
+    assert torch.equal(model.down(hidden), k.matmul(hidden, model.down.quantized_weight))
+    clone = k.W4A16Linear(model.up.quantized_weight, model.up.bias)
+    clone.load_state_dict(model.up.state_dict())
+    assert torch.equal(clone(x), model.up(x))
+
+
+def test_from_linear_and_repr(k, torch_path):
+    linear = torch.nn.Linear(128, 24).to(torch.bfloat16)
+    layer = k.W4A16Linear.from_linear(linear, group_size=64, zero_point=True)
+    assert "zero_point=True" in repr(layer) and layer.zeros is not None
+    x = torch.randn(2, 128, generator=_gen(40)).bfloat16()
+    assert _rel_err(layer(x), _reference(k, x, layer.quantized_weight, linear.bias)) < TOL[torch.bfloat16]
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+
+def test_quantize_rejects_bad_input(k):
+    w = _weight(8, 256)
+    with pytest.raises(TypeError, match="weight"):
+        k.quantize(w.int())
+    with pytest.raises(ValueError, match="2-D"):
+        k.quantize(w[0])
+    with pytest.raises(ValueError, match="not divisible"):
+        k.quantize(_weight(8, 200), group_size=64)
+    with pytest.raises(ValueError, match="group_size"):
+        k.quantize(w, group_size=48)
+    with pytest.raises(ValueError, match="fmt"):
+        k.quantize(w, fmt="int3")
+    with pytest.raises(ValueError, match="zero_point"):
+        k.quantize(w, fmt="nf4", zero_point=True)
+    bad = w.clone()
+    bad[0, 0] = math.nan
+    with pytest.raises(ValueError, match="NaN"):
+        k.quantize(bad)
+
+
+def test_matmul_rejects_bad_input(k):
+    qw = k.quantize(_weight(N, 256), group_size=128)
+    x = torch.randn(2, 256).half()
+    with pytest.raises(TypeError, match="x must be float16 or bfloat16"):
+        k.matmul(x.float(), qw)
+    with pytest.raises(TypeError, match="x must be float16"):
+        k.matmul(x.int(), qw)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 256\]"):
+        k.matmul(torch.randn(2, 128).half(), qw)
+    with pytest.raises(TypeError, match="QuantizedWeight"):
+        k.matmul(x, qw.qweight)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        k.matmul(x, qw, torch.zeros(N + 1).half())
+    with pytest.raises(TypeError, match="bias must have x's dtype"):
+        k.matmul(x, qw, torch.zeros(N))
+    with pytest.raises(ValueError, match="meta"):
+        k.matmul(x.to("meta"), qw)
+
+
+def test_quantized_weight_rejects_inconsistent_tensors(k):
+    qw = k.quantize(_weight(N, 256), group_size=128)
+    fields = dict(qweight=qw.qweight, scales=qw.scales, zeros=None, codebook=None, perm=None, shape=(N, 256),
+                  group_size=128, fmt="int4", dtype=torch.float16)
+    with pytest.raises(ValueError, match="qweight must be int32 of shape"):
+        k.QuantizedWeight(**{**fields, "shape": (N, 512)})
+    with pytest.raises(ValueError, match="scales must be"):
+        k.QuantizedWeight(**{**fields, "scales": qw.scales[:1]})
+    with pytest.raises(ValueError, match="codebook"):
+        k.QuantizedWeight(**{**fields, "fmt": "nf4"})
+    with pytest.raises(ValueError, match="perm"):
+        k.QuantizedWeight(**{**fields, "perm": torch.arange(10)})
+
+
+def test_importers_reject_mismatched_tensors(k):
+    _, qweight, qzeros, scales = _gptq_tensors(256, 16, 128, torch.full((2, 16), 7), seed=41)
+    with pytest.raises(TypeError, match="qweight"):
+        k.from_gptq(qweight.float(), qzeros, scales)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        k.from_gptq(qweight, qzeros, scales[:, :8])
+    with pytest.raises(ValueError, match="qzeros must have shape"):
+        k.from_gptq(qweight, qzeros[:1], scales)
+    with pytest.raises(ValueError, match="checkpoint_format"):
+        k.from_gptq(qweight, qzeros, scales, checkpoint_format="exllama")
+    with pytest.raises(ValueError, match="g_idx values"):
+        k.from_gptq(qweight, qzeros, scales, torch.full((256,), 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="exactly 128"):
+        k.from_gptq(qweight, qzeros, scales, torch.zeros(256, dtype=torch.int32))
+    with pytest.raises(ValueError, match="groups"):
+        k.from_gptq(qweight, qzeros[:1].repeat(3, 1), scales[:1].repeat(3, 1))
+    with pytest.raises(ValueError, match="qzeros must have shape"):
+        k.from_awq(torch.zeros(256, 2, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32), scales)
+    packed = torch.zeros(16 * 256 // 2, 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="divisible by blocksize"):
+        k.from_bnb_nf4(packed, torch.ones(64), shape=(16, 256), blocksize=96)
+    with pytest.raises(ValueError, match="must hold"):
+        k.from_bnb_nf4(packed[1:], torch.ones(64), shape=(16, 256))
+    with pytest.raises(ValueError, match="absmax must have"):
+        k.from_bnb_nf4(packed, torch.ones(63), shape=(16, 256))

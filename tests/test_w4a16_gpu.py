@@ -1,0 +1,158 @@
+"""w4a16 on the GPU at full size: every path against float64, compiled (fullgraph), in CUDA graphs.
+
+References are float64 matmuls with the dequantized weight (the dequantization itself is checked against
+the PyTorch reference). Outputs are poisoned with NaN before the kernels write them. Tolerances: the
+result is rounded once to fp16 (2**-11 relative) or bf16 (2**-8); the dot and dequantize paths also
+round dequantized weights to the activation dtype, so relative Frobenius errors stay under 1.5e-3 (fp16)
+and 1e-2 (bf16).
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TOL = {torch.float16: 1.5e-3, torch.bfloat16: 1e-2}
+FORMATS = [  # (fmt, zero_point, group_size)
+    ("int4", False, 128),
+    ("int4", True, 128),
+    ("int4", False, 32),
+    ("int4", True, 64),
+    ("int4", False, -1),
+    ("nf4", False, 64),
+]
+
+
+@pytest.fixture(scope="module")
+def k(load_kernel):
+    return load_kernel("w4a16")
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _reference(k, x, qw, bias=None):
+    weight = k.dequantize(qw, torch.float32).double()
+    out = x.double() @ weight.t()
+    return out if bias is None else out + bias.double()
+
+
+def _weight(n, kk, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(n, kk, device="cuda", dtype=dtype, generator=gen) * 0.05
+
+
+def test_dequantize_matches_pytorch_reference(k):
+    qw = k.quantize(_weight(1000, 3200, torch.float16), group_size=64, zero_point=True)
+    ref = k.dequantize(qw.to("cpu"), torch.float32)
+    assert torch.equal(k.dequantize(qw, torch.float32).cpu(), ref)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 256, 1024])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int4_g128_full_size(k, m, dtype):
+    qw = k.quantize(_weight(6144, 4096, dtype), group_size=128)
+    x = torch.randn(m, 4096, device="cuda", dtype=dtype)
+    bias = torch.randn(6144, device="cuda", dtype=dtype)
+    out = k.matmul(x, qw, bias)
+    assert out.shape == (m, 6144) and out.dtype == dtype
+    assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("fmt,zero_point,group_size", FORMATS)
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_formats_non_power_of_two(k, fmt, zero_point, group_size, m):
+    n, kk = 1000, 3200  # neither a power of two; K a multiple of every group size
+    qw = k.quantize(_weight(n, kk, torch.float16, seed=1), group_size=group_size, zero_point=zero_point, fmt=fmt)
+    x = torch.randn(3, m, kk, device="cuda", dtype=torch.float16)
+    out = k.matmul(x, qw)
+    assert out.shape == (3, m, n)
+    assert _rel_err(out, _reference(k, x, qw)) < TOL[torch.float16]
+
+
+CONFIGS = [
+    {"kernel": "gemv", "block_n": 16, "tiles": 8, "split_k": 3, "num_warps": 4, "num_stages": 1},
+    {"kernel": "gemv", "block_n": 16, "tiles": 8, "split_k": 2, "num_warps": 4, "num_stages": 1, "prefetch": True},
+    {"kernel": "gemv", "block_n": 32, "tiles": 4, "split_k": 1, "num_warps": 8, "num_stages": 2},
+    {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 4, "swap_ab": True, "num_warps": 4, "num_stages": 3},
+    {"kernel": "dot", "block_m": 16, "block_n": 128, "split_k": 3, "swap_ab": True, "num_warps": 4, "num_stages": 3,
+     "full_tile": True},
+    {"kernel": "dot", "block_m": 64, "block_n": 128, "split_k": 1, "swap_ab": False, "num_warps": 8, "num_stages": 3},
+    {"kernel": "dot", "block_m": 64, "block_n": 64, "split_k": 1, "swap_ab": False, "num_warps": 4, "num_stages": 3,
+     "full_tile": True},
+    {"kernel": "dequant", "chunk_n": 1024},
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_explicit_configs_write_every_output(k, config, zero_point):
+    """Each launch path, split-K included, on poisoned outputs (K = 5000: not a multiple of the 128 tile)."""
+    n, kk, m = 3000, 5000, 5
+    qw = k.quantize(_weight(n, kk, torch.bfloat16, seed=2), group_size=-1, zero_point=zero_point)
+    x = torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, -1, config, out=out)
+    assert not out.isnan().any()
+    assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[torch.bfloat16]
+
+
+def test_act_order_gptq_full_size(k):
+    """A GPTQ act-order weight: the matmul permutes x and matches the dequantized weight."""
+    n, kk, g = 4096, 4096, 128
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    codes = torch.randint(0, 16, (kk, n), device="cuda", dtype=torch.int32, generator=gen)
+    shifts = torch.arange(0, 32, 4, device="cuda", dtype=torch.int32)
+    qweight = (codes.view(kk // 8, 8, n) << shifts.view(1, 8, 1)).sum(1, dtype=torch.int32)
+    scales = torch.rand(kk // g, n, device="cuda", dtype=torch.float16) * 0.01 + 1e-3
+    qzeros = torch.full((kk // g, n // 8), 0x77777777, device="cuda", dtype=torch.int32)  # v1 symmetric
+    g_idx = (torch.randperm(kk, device="cuda", generator=gen) // g).int()
+    qw = k.from_gptq(qweight, qzeros, scales, g_idx)
+    weight = (codes.double() - 8) * scales.double()[g_idx.long()]  # [K, N], what the checkpoint means
+    x = torch.randn(16, kk, device="cuda", dtype=torch.float16)
+    for m in (1, 16):
+        assert _rel_err(k.matmul(x[:m], qw), x[:m].double() @ weight) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("m", [1, 64])
+def test_torch_compile_fullgraph(k, m):
+    qw = k.quantize(_weight(4096, 4096, torch.float16), group_size=128)
+    bias = torch.randn(4096, device="cuda", dtype=torch.float16)
+    fn = torch.compile(lambda x: k.matmul(x, qw, bias) * 2, fullgraph=True)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+    torch.testing.assert_close(fn(x), k.matmul(x, qw, bias) * 2, rtol=0, atol=0)
+
+
+def test_cuda_graph_replay(k):
+    qw = k.quantize(_weight(4096, 4096, torch.bfloat16), group_size=128)
+    inputs = {m: torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16) for m in (1, 16, 1024)}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for x in inputs.values():
+            k.matmul(x, qw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = {m: k.matmul(x, qw) for m, x in inputs.items()}
+    for x in inputs.values():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    for m, x in inputs.items():
+        torch.testing.assert_close(outs[m], k.matmul(x, qw), rtol=0, atol=0)
+
+
+def test_quantized_model_compiles(k):
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 5632), torch.nn.SiLU(), torch.nn.Linear(5632, 2048))
+    model = model.to("cuda", torch.bfloat16)
+    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    want = model(x)
+    k.quantize_model(model, group_size=128)
+    assert isinstance(model[0], k.W4A16Linear)
+    eager = model(x)
+    got = torch.compile(model, fullgraph=True)(x)
+    assert _rel_err(got, eager.double()) < TOL[torch.bfloat16]
+    assert _rel_err(got, want.double()) < 0.2  # 4-bit weights: the quantization error itself (~7% here)

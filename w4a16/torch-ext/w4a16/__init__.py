@@ -1,0 +1,45 @@
+"""4-bit weight, 16-bit activation matmul (W4A16) in Triton for the Kernel Hub.
+
+int4 (symmetric or with zero points) and NF4 weights in this kernel's own tiled layout (see `formats`),
+group sizes 32, 64, 128 (or any multiple of 128) and per-channel; importers for GPTQ (v1 / v2 zeros,
+act-order), AWQ and bitsandbytes NF4 checkpoints; a GEMV path for decode, a tensor-core path with the
+dequantization in the K loop, and dequantize-then-cuBLAS for large M, chosen by M.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import layers, ops
+from .formats import NF4_CODEBOOK, QuantizedWeight, load_quantized, quantize, save_quantized
+from .importers import from_awq, from_bnb_nf4, from_gptq
+from .layers import W4A16Linear, quantize_model
+
+__all__ = [
+    "NF4_CODEBOOK",
+    "QuantizedWeight",
+    "W4A16Linear",
+    "dequantize",
+    "from_awq",
+    "from_bnb_nf4",
+    "from_gptq",
+    "layers",
+    "load_quantized",
+    "matmul",
+    "quantize",
+    "quantize_model",
+    "save_quantized",
+]
+
+
+def matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for x ``[..., K]`` float16 / bfloat16 and W the 4-bit weight ``[N, K]``;
+    fp32 accumulation, result in x's dtype. Works under torch.compile(fullgraph=True) and CUDA graphs."""
+    return ops.matmul(x, qweight, bias)
+
+
+def dequantize(qweight: QuantizedWeight, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The float weight ``[N, K]`` (original K order) in `dtype`, by default the quantized weight's dtype."""
+    return ops.dequantize(qweight, dtype)

@@ -1,0 +1,288 @@
+"""The quantized-weight format: its layout, quantize / dequantize helpers, the NF4 codebook, save / load.
+
+Layout (chosen so that one 128-bit load feeds the GEMV inner loop directly):
+
+- ``qweight`` int32 ``[Np, Kp // 8]``, row n = output feature n, K padded to a multiple of 128 (``Kp``) and
+  N to a multiple of 128 (``Np``). K is cut into tiles of 128; tile t of row n is 16 consecutive words,
+  and nibble j (bits 4j..4j+3) of word c holds the 4-bit code of column ``k = 128 t + 16 j + c``.
+  So a kernel that loads the 16 words of a tile (four 128-bit loads) gets, for each nibble position j,
+  a contiguous run of 16 K-columns: no shuffles, and x is read in contiguous runs too.
+- ``scales`` ``[G, Np]`` (float16 / bfloat16 / float32): one scale per group of ``group_size`` K-columns
+  and output row; per-channel quantization (``group_size=-1``) has ``G = 1``. For NF4 it is the block absmax.
+- ``zeros`` uint8 ``[G, Np]`` or None: integer zero points (int4 with zero points). Without it int4 is
+  symmetric with the implicit zero point 8. Zero points may be 16 (GPTQ v1 checkpoints store zero - 1).
+- ``codebook`` float32 ``[16]`` for NF4 (code -> value in [-1, 1]), None for int4.
+- ``perm`` int64 ``[K]`` or None: act-order checkpoints store input channels sorted by group; the
+  matmul reads ``x[..., perm]``.
+
+Dequantized weight: int4 ``(q - zero) * scale``; NF4 ``codebook[q] * scale``; padding has scale 0.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+TILE_K = 128  # K-columns per packed tile
+WORDS_PER_TILE = TILE_K // 8
+PAD_N = 128  # output rows are padded to this so kernels never mask weight loads
+FORMATS = ("int4", "nf4")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# The NF4 data type of bitsandbytes / QLoRA (quantiles of N(0, 1) normalized to [-1, 1]).
+NF4_CODEBOOK = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+
+_SAFETENSORS_KEY = "w4a16"
+_FORMAT_VERSION = 1
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def check_group_size(group_size: int, k: int) -> None:
+    if not isinstance(group_size, int) or isinstance(group_size, bool):
+        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    if group_size == -1:
+        return
+    if group_size not in (32, 64) and (group_size <= 0 or group_size % TILE_K):
+        raise ValueError(f"group_size must be 32, 64, a multiple of {TILE_K}, or -1 (per channel), got {group_size}")
+    if k % group_size:
+        raise ValueError(f"K = {k} (in_features) is not divisible by group_size = {group_size}")
+
+
+def num_groups(k: int, group_size: int) -> int:
+    """Rows of `scales` / `zeros` for a weight with `k` input features (padding groups included)."""
+    return 1 if group_size == -1 else round_up(k, TILE_K) // group_size
+
+
+@dataclass
+class QuantizedWeight:
+    """A 4-bit weight of an ``nn.Linear`` with ``shape = (out_features, in_features) = (N, K)``."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: Optional[torch.Tensor]
+    codebook: Optional[torch.Tensor]
+    perm: Optional[torch.Tensor]
+    shape: tuple[int, int]
+    group_size: int
+    fmt: str
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(int(s) for s in self.shape)
+        n, k = self.shape
+        if n <= 0 or k <= 0:
+            raise ValueError(f"shape must be two positive sizes (N, K), got {self.shape}")
+        if self.fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
+        check_group_size(self.group_size, k)
+        if self.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be float16, bfloat16 or float32, got {self.dtype}")
+        np_, kp = self.padded_shape
+        g = num_groups(k, self.group_size)
+        device = self.qweight.device
+        if self.qweight.dtype != torch.int32 or tuple(self.qweight.shape) != (np_, kp // 8):
+            raise ValueError(f"qweight must be int32 of shape {(np_, kp // 8)}, got {self.qweight.dtype} "
+                             f"{tuple(self.qweight.shape)}")
+        if self.scales.dtype not in FLOAT_DTYPES or tuple(self.scales.shape) != (g, np_):
+            raise ValueError(f"scales must be a float tensor of shape {(g, np_)}, got {self.scales.dtype} "
+                             f"{tuple(self.scales.shape)}")
+        if self.zeros is not None:
+            if self.fmt != "int4":
+                raise ValueError("zeros (zero points) apply to fmt='int4' only")
+            if self.zeros.dtype != torch.uint8 or tuple(self.zeros.shape) != (g, np_):
+                raise ValueError(f"zeros must be uint8 of shape {(g, np_)}, got {self.zeros.dtype} "
+                                 f"{tuple(self.zeros.shape)}")
+        if (self.fmt == "nf4") != (self.codebook is not None):
+            raise ValueError("codebook must be given for fmt='nf4' and only for it")
+        if self.codebook is not None and (self.codebook.dtype != torch.float32 or tuple(self.codebook.shape) != (16,)):
+            raise ValueError(f"codebook must be float32 of shape (16,), got {self.codebook.dtype} "
+                             f"{tuple(self.codebook.shape)}")
+        if self.perm is not None and (self.perm.dtype != torch.int64 or tuple(self.perm.shape) != (k,)):
+            raise ValueError(f"perm must be int64 of shape ({k},), got {self.perm.dtype} {tuple(self.perm.shape)}")
+        for name in ("qweight", "scales", "zeros", "codebook", "perm"):
+            t = getattr(self, name)
+            if t is not None and t.device != device:
+                raise ValueError(f"{name} is on {t.device} but qweight is on {device}: all tensors must share a device")
+            if t is not None and not t.is_contiguous():
+                setattr(self, name, t.contiguous())
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        n, k = self.shape
+        return round_up(n, PAD_N), round_up(k, TILE_K)
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that exist (None fields left out), by field name."""
+        names = ("qweight", "scales", "zeros", "codebook", "perm")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def nbytes(self) -> int:
+        """Bytes a matmul reads for the weight: packed codes, scales, zero points."""
+        return sum(t.numel() * t.element_size() for name, t in self.tensors().items() if name != "perm")
+
+    def to(self, device) -> "QuantizedWeight":
+        return replace(self, **{name: t.to(device) for name, t in self.tensors().items()})
+
+    def metadata(self) -> dict:
+        return {"shape": list(self.shape), "group_size": self.group_size, "fmt": self.fmt,
+                "dtype": str(self.dtype).removeprefix("torch."), "version": _FORMAT_VERSION}
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[N, K]`` (values 0..15) -> ``qweight`` int32 ``[Np, Kp // 8]`` in the tiled layout."""
+    n, k = codes.shape
+    np_, kp = round_up(n, PAD_N), round_up(k, TILE_K)
+    full = torch.zeros(np_, kp, dtype=torch.int64, device=codes.device)
+    full[:n, :k] = codes
+    tiles = full.view(np_, kp // TILE_K, 8, WORDS_PER_TILE)  # [n, tile, j, c]
+    words = torch.zeros(np_, kp // TILE_K, WORDS_PER_TILE, dtype=torch.int64, device=codes.device)
+    for j in range(8):
+        words |= tiles[:, :, j, :] << (4 * j)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # reinterpret as int32 two's complement
+    return words.to(torch.int32).view(np_, kp // 8)
+
+
+def unpack(qweight: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """``qweight`` -> uint8 codes ``[N, K]`` (the inverse of `pack`)."""
+    n, k = shape
+    np_, words = qweight.shape
+    tiles = qweight.view(np_, words // WORDS_PER_TILE, 1, WORDS_PER_TILE)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device).view(1, 1, 8, 1)
+    codes = (tiles >> shifts) & 0xF  # [n, tile, j, c]
+    return codes.reshape(np_, -1)[:n, :k].to(torch.uint8)
+
+
+def pad_group_params(values: torch.Tensor, shape: tuple[int, int], group_size: int) -> torch.Tensor:
+    """Per-group ``[G_real, N]`` -> ``[G, Np]`` padded with zeros (padding groups and rows get scale 0)."""
+    n, k = shape
+    out = values.new_zeros(num_groups(k, group_size), round_up(n, PAD_N))
+    out[: values.shape[0], :n] = values
+    return out
+
+
+def _group_view(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = weight.shape
+    return weight.view(n, 1, k) if group_size == -1 else weight.view(n, k // group_size, group_size)
+
+
+def quantize(weight: torch.Tensor, *, group_size: int = 128, zero_point: bool = False,
+             fmt: str = "int4") -> QuantizedWeight:
+    """Round-to-nearest quantization of a float weight ``[N, K]`` (``nn.Linear.weight``) to 4 bits.
+
+    int4 symmetric: ``scale = absmax / 7.5``, codes ``round(w / scale) + 8`` clamped to 0..15.
+    int4 with zero points: the group range (widened to include 0) over 15 steps, zero point
+    ``round(-min / scale)``. NF4: ``scale = absmax`` and the nearest NF4 code of ``w / absmax``.
+    Scales are stored in the weight's dtype and codes are computed against the stored (rounded) scales.
+    """
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"weight must be float16, bfloat16 or float32, got {weight.dtype}")
+    if weight.dim() != 2 or weight.numel() == 0:
+        raise ValueError(f"weight must be a non-empty 2-D [out_features, in_features] tensor, got {tuple(weight.shape)}")
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if fmt == "nf4" and zero_point:
+        raise ValueError("zero_point=True applies to fmt='int4' only (NF4 is symmetric by construction)")
+    n, k = weight.shape
+    check_group_size(group_size, k)
+    if not torch.isfinite(weight).all():
+        raise ValueError("weight holds inf or NaN values, which have no 4-bit code")
+    w = _group_view(weight.detach().float(), group_size)  # [N, G, g]
+    zeros = None
+    codebook = None
+    if fmt == "nf4":
+        scales = w.abs().amax(dim=2).to(weight.dtype)
+        safe = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(2)
+        codebook = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=weight.device)
+        midpoints = (codebook[1:] + codebook[:-1]) / 2
+        codes = torch.bucketize((w / safe).clamp(-1, 1), midpoints)
+    elif zero_point:
+        lo = w.amin(dim=2).clamp(max=0)
+        hi = w.amax(dim=2).clamp(min=0)
+        scales = ((hi - lo) / 15).to(weight.dtype)
+        safe = torch.where(scales == 0, 1.0, scales.float())
+        zero = torch.round(-lo / safe).clamp(0, 15)
+        codes = (torch.round(w / safe.unsqueeze(2)) + zero.unsqueeze(2)).clamp(0, 15)
+        zeros = pad_group_params(zero.to(torch.uint8).t(), (n, k), group_size)
+    else:
+        scales = (w.abs().amax(dim=2) / 7.5).to(weight.dtype)
+        safe = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(2)
+        codes = (torch.round(w / safe) + 8).clamp(0, 15)
+    return QuantizedWeight(
+        qweight=pack(codes.reshape(n, k).to(torch.uint8)),
+        scales=pad_group_params(scales.t(), (n, k), group_size),
+        zeros=zeros,
+        codebook=codebook,
+        perm=None,
+        shape=(n, k),
+        group_size=group_size,
+        fmt=fmt,
+        dtype=weight.dtype,
+    )
+
+
+def save_quantized(weights, path) -> None:
+    """Save one `QuantizedWeight` or a ``{name: QuantizedWeight}`` dict to a safetensors file."""
+    from safetensors.torch import save_file
+
+    items = {"": weights} if isinstance(weights, QuantizedWeight) else dict(weights)
+    tensors, meta = {}, {}
+    for name, qw in items.items():
+        if not isinstance(qw, QuantizedWeight):
+            raise TypeError(f"{name or 'weights'} must be a QuantizedWeight, got {type(qw).__name__}")
+        prefix = f"{name}." if name else ""
+        for field, t in qw.tensors().items():
+            tensors[prefix + field] = t.detach().contiguous().cpu()
+        meta[name] = qw.metadata()
+    save_file(tensors, str(path), metadata={_SAFETENSORS_KEY: json.dumps(meta, sort_keys=True)})
+
+
+def load_quantized(path, device="cpu"):
+    """Load what `save_quantized` wrote: a `QuantizedWeight`, or a dict of them when saved as a dict."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        header = (f.metadata() or {}).get(_SAFETENSORS_KEY)
+        if header is None:
+            raise ValueError(f"{path} was not written by w4a16.save_quantized (no {_SAFETENSORS_KEY!r} metadata)")
+        meta = json.loads(header)
+        keys = set(f.keys())
+        out = {}
+        for name, m in meta.items():
+            if m.get("version") != _FORMAT_VERSION:
+                raise ValueError(f"{path}: {name or 'weight'} has format version {m.get('version')}, "
+                                 f"this kernel reads {_FORMAT_VERSION}")
+            prefix = f"{name}." if name else ""
+            fields = {field: f.get_tensor(prefix + field) if prefix + field in keys else None
+                      for field in ("qweight", "scales", "zeros", "codebook", "perm")}
+            out[name] = QuantizedWeight(**fields, shape=tuple(m["shape"]), group_size=m["group_size"],
+                                        fmt=m["fmt"], dtype=getattr(torch, m["dtype"]))
+    return out[""] if list(out) == [""] else out

@@ -1,0 +1,227 @@
+"""Importers: GPTQ, AWQ and bitsandbytes-NF4 checkpoint tensors -> this kernel's `QuantizedWeight` layout.
+
+These run once at load time (they may synchronize with the device); the converted weight is exact: the
+same codes, scales and zero points, only re-laid out.
+
+- GPTQ: ``qweight`` int32 ``[K/8, N]`` packed along K (nibble i = row 8r + i), ``qzeros`` int32
+  ``[G, N/8]`` packed along N, ``scales [G, N]``, optional ``g_idx [K]`` (act-order). ``checkpoint_format
+  ="gptq"`` (v1) stores ``zero - 1``; ``"gptq_v2"`` stores the zero itself.
+- AWQ: ``qweight`` int32 ``[K, N/8]`` and ``qzeros [G, N/8]`` packed along N with nibble i holding column
+  ``8c + [0, 2, 4, 6, 1, 3, 5, 7][i]``; ``scales [G, N]``; zeros are stored as is.
+- bitsandbytes NF4: the flattened ``[N, K]`` weight, two codes per byte with the first in the high nibble,
+  one absmax per ``blocksize`` consecutive elements (optionally itself 8-bit quantized: "nested").
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .formats import (
+    FLOAT_DTYPES,
+    NF4_CODEBOOK,
+    QuantizedWeight,
+    check_group_size,
+    pack,
+    pad_group_params,
+)
+
+_SHIFTS = tuple(range(0, 32, 4))
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column 8c + AWQ_PACK_ORDER[i]
+AWQ_UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j is in nibble AWQ_UNPACK_ORDER[j]
+
+
+def _check_tensor(name: str, t, dtypes, dims: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+
+
+def _check_devices(**tensors) -> None:
+    present = {name: t for name, t in tensors.items() if t is not None}
+    devices = {t.device for t in present.values()}
+    if len(devices) > 1:
+        listed = ", ".join(f"{name} on {t.device}" for name, t in present.items())
+        raise ValueError(f"all tensors must be on one device, got {listed}")
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] -> [..., W, 8]: nibble i of each word at index i."""
+    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
+    return (packed.unsqueeze(-1) >> shifts) & 0xF
+
+
+def _unpack_along_last(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Words packed along the last dim in natural nibble order -> [..., n] codes."""
+    return _nibbles(packed).flatten(-2)[..., :n]
+
+
+def _group_size_for(k: int, groups: int, name: str) -> int:
+    if groups <= 0 or k % groups:
+        raise ValueError(f"{name} has {groups} groups, which do not divide K = {k}")
+    group_size = -1 if groups == 1 else k // groups
+    check_group_size(group_size, k)
+    return group_size
+
+
+def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+              g_idx: Optional[torch.Tensor] = None, *, sym: bool = True,
+              checkpoint_format: str = "gptq") -> QuantizedWeight:
+    """Convert a GPTQ 4-bit linear (AutoGPTQ / GPTQModel tensors) to this kernel's layout.
+
+    ``sym=True`` checks that every zero point is 8 (the symmetric "uint4b8" case) and drops them; a
+    mismatch usually means the wrong ``checkpoint_format`` (v1 stores 7, v2 stores 8).
+    """
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise ValueError(f"checkpoint_format must be 'gptq' (v1: zeros stored minus 1) or 'gptq_v2', "
+                         f"got {checkpoint_format!r}")
+    _check_tensor("qweight", qweight, (torch.int32,), 2)
+    _check_tensor("qzeros", qzeros, (torch.int32,), 2)
+    _check_tensor("scales", scales, FLOAT_DTYPES, 2)
+    if g_idx is not None:
+        _check_tensor("g_idx", g_idx, (torch.int32, torch.int64), 1)
+    _check_devices(qweight=qweight, qzeros=qzeros, scales=scales, g_idx=g_idx)
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    groups = scales.shape[0]
+    if scales.shape[1] != n:
+        raise ValueError(f"scales must have shape [groups, {n}] (N from qweight [K/8, N]), got {tuple(scales.shape)}")
+    if tuple(qzeros.shape) != (groups, -(-n // 8)):
+        raise ValueError(f"qzeros must have shape {(groups, -(-n // 8))} (groups from scales, N/8 packed), "
+                         f"got {tuple(qzeros.shape)}")
+    group_size = _group_size_for(k, groups, "scales")
+    codes = _nibbles(qweight).permute(0, 2, 1).reshape(k, n).t()  # [N, K]
+    zeros = _unpack_along_last(qzeros, n)  # [G, N]
+    if checkpoint_format == "gptq":
+        zeros = zeros + 1
+    perm = None
+    if g_idx is not None:
+        if g_idx.shape[0] != k:
+            raise ValueError(f"g_idx must have K = {k} entries, got {g_idx.shape[0]}")
+        g_idx = g_idx.long()
+        if bool(((g_idx < 0) | (g_idx >= groups)).any()):
+            raise ValueError(f"g_idx values must lie in [0, {groups}) (the groups of scales)")
+        natural = torch.arange(k, device=g_idx.device) // (k if group_size == -1 else group_size)
+        if not torch.equal(g_idx, natural):
+            counts = torch.bincount(g_idx, minlength=groups)
+            if bool((counts != k // groups).any()):
+                raise ValueError(f"g_idx must assign exactly {k // groups} input channels to each group")
+            perm = torch.argsort(g_idx, stable=True)
+            codes = codes[:, perm]
+    if sym:
+        if not bool((zeros == 8).all()):
+            found = sorted(set(zeros.unique().tolist()))[:4]
+            raise ValueError(f"sym=True expects every zero point to be 8, got values {found} with "
+                             f"checkpoint_format={checkpoint_format!r}: v1 checkpoints ('gptq') store 7, "
+                             f"v2 ('gptq_v2') store 8; pass the matching format, or sym=False")
+        packed_zeros = None
+    else:
+        packed_zeros = pad_group_params(zeros.to(torch.uint8), (n, k), group_size)
+    return QuantizedWeight(
+        qweight=pack(codes.to(torch.uint8)),
+        scales=pad_group_params(scales, (n, k), group_size),
+        zeros=packed_zeros,
+        codebook=None,
+        perm=perm,
+        shape=(n, k),
+        group_size=group_size,
+        fmt="int4",
+        dtype=scales.dtype,
+    )
+
+
+def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
+    """Convert an AWQ (AutoAWQ "GEMM" version) 4-bit linear to this kernel's layout."""
+    _check_tensor("qweight", qweight, (torch.int32,), 2)
+    _check_tensor("qzeros", qzeros, (torch.int32,), 2)
+    _check_tensor("scales", scales, FLOAT_DTYPES, 2)
+    _check_devices(qweight=qweight, qzeros=qzeros, scales=scales)
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    groups = scales.shape[0]
+    if scales.shape[1] != n:
+        raise ValueError(f"scales must have shape [groups, {n}] (N = 8 * qweight.shape[1]), got {tuple(scales.shape)}")
+    if tuple(qzeros.shape) != (groups, qweight.shape[1]):
+        raise ValueError(f"qzeros must have shape {(groups, qweight.shape[1])}, got {tuple(qzeros.shape)}")
+    group_size = _group_size_for(k, groups, "scales")
+    order = torch.tensor(AWQ_UNPACK_ORDER, device=qweight.device)
+    codes = _nibbles(qweight)[..., order].reshape(k, n).t()
+    zeros = _nibbles(qzeros)[..., order].reshape(groups, n)
+    return QuantizedWeight(
+        qweight=pack(codes.to(torch.uint8)),
+        scales=pad_group_params(scales, (n, k), group_size),
+        zeros=pad_group_params(zeros.to(torch.uint8), (n, k), group_size),
+        codebook=None,
+        perm=None,
+        shape=(n, k),
+        group_size=group_size,
+        fmt="int4",
+        dtype=scales.dtype,
+    )
+
+
+def from_bnb_nf4(weight: torch.Tensor, absmax: torch.Tensor, *, shape, blocksize: int = 64,
+                 quant_map: Optional[torch.Tensor] = None, nested_absmax: Optional[torch.Tensor] = None,
+                 nested_quant_map: Optional[torch.Tensor] = None, nested_blocksize: int = 256,
+                 offset: float = 0.0, dtype: torch.dtype = torch.float16) -> QuantizedWeight:
+    """Convert a bitsandbytes NF4 weight (``Params4bit`` data plus its quant state) to this layout.
+
+    ``weight``: the packed storage (uint8, or another quant_storage dtype viewed as bytes); ``absmax``:
+    float32 per block, or uint8 codes when the state is nested (``compress_statistics=True``), in which
+    case ``nested_absmax``, ``nested_quant_map`` and ``offset`` restore it as bitsandbytes does:
+    ``nested_quant_map[absmax] * nested_absmax[block // nested_blocksize] + offset``. ``shape`` is the
+    original ``(out_features, in_features)``; ``dtype`` the dtype `dequantize` returns.
+    """
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if len(tuple(shape)) != 2:
+        raise ValueError(f"shape must be (out_features, in_features), got {shape}")
+    n, k = (int(s) for s in shape)
+    if k % blocksize:
+        raise ValueError(f"in_features = {k} must be divisible by blocksize = {blocksize} (blocks within rows)")
+    check_group_size(blocksize, k)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+    _check_devices(weight=weight, absmax=absmax, quant_map=quant_map, nested_absmax=nested_absmax,
+                   nested_quant_map=nested_quant_map)
+    data = weight.contiguous().view(torch.uint8).reshape(-1)
+    if data.numel() != n * k // 2:
+        raise ValueError(f"weight must hold {n * k // 2} bytes for shape {(n, k)}, got {data.numel()}")
+    blocks = n * k // blocksize
+    if nested_absmax is None:
+        _check_tensor("absmax", absmax, (torch.float32, torch.float16, torch.bfloat16), 1)
+        block_absmax = absmax.float()
+    else:
+        _check_tensor("absmax", absmax, (torch.uint8,), 1)
+        _check_tensor("nested_absmax", nested_absmax, (torch.float32,), 1)
+        if nested_quant_map is None:
+            raise ValueError("nested_quant_map is required with nested_absmax (the 8-bit code of the absmax)")
+        _check_tensor("nested_quant_map", nested_quant_map, (torch.float32,), 1)
+        if nested_absmax.numel() != -(-blocks // nested_blocksize):
+            raise ValueError(f"nested_absmax must have {-(-blocks // nested_blocksize)} entries for {blocks} blocks "
+                             f"of nested_blocksize {nested_blocksize}, got {nested_absmax.numel()}")
+        per_block = nested_absmax.repeat_interleave(nested_blocksize)[:blocks]
+        block_absmax = nested_quant_map[absmax.long()] * per_block + offset
+    if block_absmax.numel() != blocks:
+        raise ValueError(f"absmax must have {blocks} entries (N*K / blocksize), got {block_absmax.numel()}")
+    if quant_map is None:
+        codebook = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=data.device)
+    else:
+        _check_tensor("quant_map", quant_map, (torch.float32,), 1)
+        if quant_map.numel() != 16:
+            raise ValueError(f"quant_map must have 16 entries (a 4-bit code), got {quant_map.numel()}")
+        codebook = quant_map.contiguous()
+    codes = torch.stack((data >> 4, data & 0xF), dim=1).reshape(n, k)
+    return QuantizedWeight(
+        qweight=pack(codes),
+        scales=pad_group_params(block_absmax.view(n, k // blocksize).t(), (n, k), blocksize),
+        zeros=None,
+        codebook=codebook,
+        perm=None,
+        shape=(n, k),
+        group_size=blocksize,
+        fmt="nf4",
+        dtype=dtype,
+    )

@@ -1,0 +1,449 @@
+"""Triton kernels and their launchers: GEMV / split-K on CUDA cores for a few tokens, tl.dot with the
+dequantization inside the K loop for more, a dequantize kernel (for dequantize-then-cuBLAS at large M),
+and the deterministic split-K reduction.
+
+Dequantization never converts int -> float (a low-throughput instruction on Hopper): OR-ing a 4-bit field
+into the mantissa of 2**23 (bits 0x4B000000) and reading the word as fp32 gives exactly 2**23 + field,
+so one AND-OR and one FADD give ``code - zero``. In the GEMV the field is masked in place, without a
+shift, which multiplies it by 16**i; x is pre-scaled by 16**-i (exact) instead.
+All accumulation is fp32; offsets that scale with M, N or K are 64-bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import WORDS_PER_TILE
+
+_MAGIC_BITS = tl.constexpr(0x4B000000)
+_MAGIC = tl.constexpr(8388608.0)  # 2**23
+_WORDS = tl.constexpr(WORDS_PER_TILE)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
+    N, K, num_tiles, tiles_per_split, group_size,
+    stride_xm, stride_qn, stride_sg, stride_om, stride_split,
+    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SUBG: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """One token row per program row (grid axis 2), BLOCK_N output rows, TILES K-tiles per iteration.
+
+    The [BLOCK_N, TILES, 16] word tile is loaded with 128-bit loads; each nibble position j is a
+    contiguous run of 16 K-columns per word group, multiplied by the matching x run. Partial sums are
+    reduced once per scale group and scaled there (one multiply per group, not per weight).
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile_ar = tl.arange(0, TILES)
+    col = tl.arange(0, _WORDS)
+    w_ptrs = qw_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + col[None, None, :]
+    x_row = x_ptr + m * stride_xm
+    first = pid_k * tiles_per_split
+    acc = tl.zeros([BLOCK_N, TILES], dtype=tl.float32)
+    if PER_CHANNEL:
+        scale = tl.load(s_ptr + rows).to(tl.float32)
+        if HAS_ZERO:
+            zero = tl.load(z_ptr + rows).to(tl.float32)[:, None, None]
+    if PREFETCH:
+        w_next = tl.load(w_ptrs + (first + tile_ar)[None, :, None] * _WORDS,
+                         mask=((first + tile_ar < num_tiles) & (tile_ar < tiles_per_split))[None, :, None], other=0,
+                         eviction_policy="evict_first")
+    for it in tl.range(0, tiles_per_split, TILES, num_stages=STAGES):
+        tile = first + it + tile_ar
+        live = tile < num_tiles
+        if PREFETCH:
+            # The next tile's load is issued before this tile's math: two loads in flight per program.
+            w = w_next
+            ahead = tile + TILES
+            w_next = tl.load(w_ptrs + ahead[None, :, None] * _WORDS,
+                             mask=((ahead < num_tiles) & (it + TILES + tile_ar < tiles_per_split))[None, :, None],
+                             other=0, eviction_policy="evict_first")
+        elif MASK_TILES:
+            w = tl.load(w_ptrs + tile[None, :, None] * _WORDS, mask=live[None, :, None], other=0,
+                        eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs + tile[None, :, None] * _WORDS, eviction_policy="evict_first")
+        # x is loaded through a pointer tensor of the weight tile's shape (constant along rows), so it gets the
+        # weight tile's register layout: a [TILES, 16] x tile needs a shared-memory layout conversion (two
+        # barriers and a serialized load) per nibble plane; removing them made the GEMV ~12% faster on the H200.
+        k0 = tl.broadcast_to(tile[None, :, None] * 128 + col[None, None, :], (BLOCK_N, TILES, _WORDS))
+        part = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+        for j in tl.static_range(8):
+            kj = k0 + j * 16
+            if MASK_X:
+                xj = tl.load(x_row + kj, mask=kj < K, other=0.0).to(tl.float32)
+            else:
+                xj = tl.load(x_row + kj).to(tl.float32)
+            if HAS_ZERO and not PER_CHANNEL and (j * 16) % SUBG == 0:
+                group = (tile * 128 + j * 16) // group_size
+                zero = tl.load(z_ptr + group[None, :].to(tl.int64) * stride_sg + rows[:, None],
+                               mask=live[None, :], other=0).to(tl.float32)[:, :, None]
+            if j == 4:
+                w_hi = w >> 16
+            if NF4:
+                if j < 4:
+                    code = (w >> (4 * j)) & 0xF
+                else:
+                    code = (w_hi >> (4 * (j - 4))) & 0xF
+                part += tl.load(cb_ptr + code) * xj
+            else:
+                weight = 1 << (4 * (j % 4))
+                if j < 4:
+                    bits = w & (0xF << (4 * j))
+                else:
+                    bits = w_hi & (0xF << (4 * (j - 4)))
+                f = (bits | _MAGIC_BITS).to(tl.float32, bitcast=True)
+                if HAS_ZERO:
+                    f = f - (zero * weight + _MAGIC)
+                else:
+                    f = f - (_MAGIC + 8.0 * weight)
+                part += f * (xj * (1.0 / weight))
+            if ((j + 1) * 16) % SUBG == 0:  # a scale group ends: scale its partial sums once
+                psum = tl.sum(part, axis=2)
+                if PER_CHANNEL:
+                    acc += psum
+                else:
+                    group = (tile * 128 + j * 16) // group_size
+                    s = tl.load(s_ptr + group[None, :].to(tl.int64) * stride_sg + rows[:, None],
+                                mask=live[None, :], other=0.0)
+                    acc += psum * s.to(tl.float32)
+                part = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+    result = tl.sum(acc, axis=1)
+    if PER_CHANNEL:
+        result = result * scale
+    row_ok = rows < N
+    if not PARTIAL:
+        if HAS_BIAS:
+            result += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + rows, result.to(out_ptr.dtype.element_ty), mask=row_ok)
+    else:
+        tl.store(out_ptr + pid_k.to(tl.int64) * stride_split + m * stride_om + rows, result, mask=row_ok)
+
+
+@triton.jit
+def _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, J: tl.constexpr,
+           NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SCALE_ON_ACC: tl.constexpr):
+    """Nibble plane J of a [BLOCK_N, 16] word tile (K-columns 128 tile + 16 J + c) as fp32: ``code - zero``
+    (times its group's scale unless the scale is applied to the accumulator), or the NF4 value."""
+    code = (w >> (4 * J)) & 0xF
+    if not PER_CHANNEL:
+        param_offs = ((tile * 128 + J * 16) // group_size).to(tl.int64) * stride_sg + rows
+    if NF4:
+        v = tl.load(cb_ptr + code)
+    else:
+        v = (code | _MAGIC_BITS).to(tl.float32, bitcast=True)
+        if HAS_ZERO:
+            if not PER_CHANNEL:
+                zero = tl.load(z_ptr + param_offs).to(tl.float32)[:, None]
+            v = v - (zero + _MAGIC)
+        else:
+            v = v - (_MAGIC + 8.0)
+    if not SCALE_ON_ACC and not PER_CHANNEL:
+        v = v * tl.load(s_ptr + param_offs).to(tl.float32)[:, None]
+    return v
+
+
+@triton.jit
+def _dot_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
+    M, N, K, num_tiles, tiles_per_split, group_size,
+    stride_xm, stride_qn, stride_sg, stride_om, stride_split,
+    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SUBG: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_K: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
+    FULL_TILE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Tensor-core path. Per K-tile either 8 dots of K=16 (one per nibble plane: a contiguous K run) or,
+    with FULL_TILE, the 8 planes interleaved back into natural K order and one dot of K=128.
+
+    With one scale group per tile (SCALE_ON_ACC) the dots take the exact integers ``code - zero`` and the
+    tile's partial product is scaled once; smaller groups scale the dequantized values. SWAP_AB computes
+    ``W @ x.T`` so the weight rows fill the MMA's M dimension when there are few tokens.
+    """
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    col = tl.arange(0, _WORDS)
+    w_ptrs = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn + col[None, :]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    first = pid_k * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, num_tiles)
+    zero = 0.0
+    if PER_CHANNEL:
+        scale = tl.load(s_ptr + rows).to(tl.float32)
+        if HAS_ZERO:
+            zero = tl.load(z_ptr + rows).to(tl.float32)[:, None]
+    if UPCAST:
+        dot_dtype = tl.float32
+    else:
+        dot_dtype = x_ptr.dtype.element_ty
+    for tile in tl.range(first, last, num_stages=STAGES):
+        w = tl.load(w_ptrs + tile * _WORDS, eviction_policy="evict_first")
+        if SCALE_ON_ACC:
+            part = tl.zeros_like(acc)
+        else:
+            part = acc
+        if FULL_TILE:
+            p0 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 0, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p1 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 1, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p2 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 2, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p3 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 3, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p4 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 4, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p5 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 5, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p6 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 6, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p7 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 7, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            # [BN, 16, 2, 2, 2] with plane index 4 t2 + 2 t1 + t0 -> [BN, t2, t1, t0, c] -> K order 16 j + c
+            planes = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+            wt = tl.reshape(tl.permute(planes, (0, 4, 3, 2, 1)), (BLOCK_N, 128))
+            kk = tile * 128 + tl.arange(0, 128)
+            if MASK_K:
+                xk = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+            else:
+                xk = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+            if SWAP_AB:
+                part = tl.dot(wt, tl.trans(xk.to(dot_dtype)), part)
+            else:
+                part = tl.dot(xk.to(dot_dtype), tl.trans(wt), part)
+        else:
+            for j in tl.static_range(8):
+                kj = tile * 128 + j * 16 + col
+                if MASK_K:
+                    xj = tl.load(x_rows + kj[None, :], mask=m_ok[:, None] & (kj < K)[None, :], other=0.0)
+                else:
+                    xj = tl.load(x_rows + kj[None, :], mask=m_ok[:, None], other=0.0)
+                wd = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, j, NF4, HAS_ZERO,
+                            PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+                if SWAP_AB:
+                    part = tl.dot(wd, tl.trans(xj.to(dot_dtype)), part)
+                else:
+                    part = tl.dot(xj.to(dot_dtype), tl.trans(wd), part)
+        if SCALE_ON_ACC:
+            s = tl.load(s_ptr + ((tile * 128) // group_size).to(tl.int64) * stride_sg + rows).to(tl.float32)
+            if SWAP_AB:
+                acc += part * s[:, None]
+            else:
+                acc += part * s[None, :]
+        else:
+            acc = part
+    row_ok = rows < N
+    if SWAP_AB:
+        if PER_CHANNEL:
+            acc = acc * scale[:, None]
+        out_offs = offs_m.to(tl.int64)[None, :] * stride_om + rows[:, None]
+        out_mask = m_ok[None, :] & row_ok[:, None]
+    else:
+        if PER_CHANNEL:
+            acc = acc * scale[None, :]
+        out_offs = offs_m.to(tl.int64)[:, None] * stride_om + rows[None, :]
+        out_mask = m_ok[:, None] & row_ok[None, :]
+    if not PARTIAL:
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            if SWAP_AB:
+                acc += bias[:, None]
+            else:
+                acc += bias[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr + pid_k.to(tl.int64) * stride_split + out_offs, acc, mask=out_mask)
+
+
+@triton.jit
+def _dequant_kernel(
+    qw_ptr, s_ptr, z_ptr, cb_ptr, out_ptr,
+    N, K, num_tiles, group_size, stride_qn, stride_sg, stride_on,
+    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+):
+    """Write the dequantized weight ``[N, K]`` (stored K order) in the output's dtype."""
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows64 = rows.to(tl.int64)
+    tile = pid_t * TILES + tl.arange(0, TILES)
+    col = tl.arange(0, _WORDS)
+    live = tile < num_tiles
+    w = tl.load(qw_ptr + rows64[:, None, None] * stride_qn + tile[None, :, None] * _WORDS + col[None, None, :],
+                mask=live[None, :, None], other=0, eviction_policy="evict_first")
+    row_ok = (rows < N)[:, None, None]
+    for j in tl.static_range(8):
+        k = tile[:, None] * 128 + j * 16 + col[None, :]
+        if PER_CHANNEL:
+            group = tile * 0
+        else:
+            group = (tile * 128 + j * 16) // group_size
+        param_offs = group[None, :].to(tl.int64) * stride_sg + rows[:, None]
+        s = tl.load(s_ptr + param_offs, mask=live[None, :], other=0.0).to(tl.float32)[:, :, None]
+        code = (w >> (4 * j)) & 0xF
+        if NF4:
+            v = tl.load(cb_ptr + code)
+        else:
+            v = (code | _MAGIC_BITS).to(tl.float32, bitcast=True)
+            if HAS_ZERO:
+                zero = tl.load(z_ptr + param_offs, mask=live[None, :], other=0).to(tl.float32)[:, :, None]
+                v = v - (zero + _MAGIC)
+            else:
+                v = v - (_MAGIC + 8.0)
+        tl.store(out_ptr + rows64[:, None, None] * stride_on + k[None, :, :], (v * s).to(out_ptr.dtype.element_ty),
+                 mask=row_ok & (k < K)[None, :, :])
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N,
+                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum of the SPLIT fp32 partials in a fixed order (deterministic) + bias, cast once."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _format_flags(zeros, codebook, group_size) -> dict:
+    per_channel = group_size == -1
+    return {
+        "NF4": codebook is not None,
+        "HAS_ZERO": zeros is not None,
+        "PER_CHANNEL": per_channel,
+        "SUBG": 128 if per_channel else min(group_size, 128),
+    }
+
+
+def _or(t, placeholder):
+    """An absent optional tensor is passed as another tensor: its constexpr flag is off, so never read."""
+    return t if t is not None else placeholder
+
+
+def _reduce_splits(part, bias, out, n) -> None:
+    total = out.numel()
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(total, block),)](
+        part, _or(bias, part), out, total, n,
+        SPLIT=part.shape[0], HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+    )
+
+
+def _launch_gemv(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, cfg) -> None:
+    m = x.shape[0]
+    num_tiles = qweight.shape[1] // WORDS_PER_TILE
+    block_n, tiles = cfg["block_n"], cfg["tiles"]
+    per_split = triton.cdiv(triton.cdiv(num_tiles, cfg.get("split_k", 1)), tiles) * tiles
+    splits = triton.cdiv(num_tiles, per_split)
+    mask_tiles = num_tiles % per_split != 0
+    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (qweight.shape[0] // block_n, splits, m)
+    _gemv_kernel[grid](
+        x, qweight, scales, _or(zeros, scales),
+        _or(codebook, scales), _or(bias, scales), target,
+        n, k, num_tiles, per_split, qweight.shape[1] * 8 if group_size == -1 else group_size,
+        x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
+        **_format_flags(zeros, codebook, group_size),
+        HAS_BIAS=bias is not None, PARTIAL=splits > 1, MASK_X=mask_tiles or k % 128 != 0, MASK_TILES=mask_tiles,
+        BLOCK_N=block_n, TILES=tiles, STAGES=cfg.get("num_stages", 1), PREFETCH=bool(cfg.get("prefetch", False)),
+        num_warps=cfg.get("num_warps", 4),
+    )
+    if splits > 1:
+        _reduce_splits(target, bias, out, n)
+
+
+def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, cfg) -> None:
+    m = x.shape[0]
+    num_tiles = qweight.shape[1] // WORDS_PER_TILE
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
+    per_split = triton.cdiv(num_tiles, cfg.get("split_k", 1))
+    splits = triton.cdiv(num_tiles, per_split)
+    flags = _format_flags(zeros, codebook, group_size)
+    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m) * (qweight.shape[0] // block_n), splits)
+    _dot_kernel[grid](
+        x, qweight, scales, _or(zeros, scales),
+        _or(codebook, scales), _or(bias, scales), target,
+        m, n, k, num_tiles, per_split, qweight.shape[1] * 8 if group_size == -1 else group_size,
+        x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
+        **flags, HAS_BIAS=bias is not None, PARTIAL=splits > 1, MASK_K=k % 128 != 0,
+        SCALE_ON_ACC=flags["SUBG"] == 128 and not flags["PER_CHANNEL"],
+        BLOCK_M=block_m, BLOCK_N=block_n, SWAP_AB=bool(cfg.get("swap_ab", False)), STAGES=cfg.get("num_stages", 2),
+        FULL_TILE=bool(cfg.get("full_tile", False)),
+        # The interpreter computes bf16 dots wrongly (triton 3.9): it gets fp32 operands instead.
+        UPCAST=_interpreting() and x.dtype == torch.bfloat16,
+        num_warps=cfg.get("num_warps", 4),
+    )
+    if splits > 1:
+        _reduce_splits(target, bias, out, n)
+
+
+def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None) -> torch.Tensor:
+    """Dequantized weight ``[n, k]`` in stored K order (rows of a chunk when qweight is a row slice)."""
+    if out is None:
+        out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    num_tiles = qweight.shape[1] // WORDS_PER_TILE
+    block_n, tiles = 32, 4
+    flags = _format_flags(zeros, codebook, group_size)
+    del flags["SUBG"]
+    grid = (triton.cdiv(n, block_n), triton.cdiv(num_tiles, tiles))
+    _dequant_kernel[grid](
+        qweight, scales, _or(zeros, scales),
+        _or(codebook, scales), out,
+        n, k, num_tiles, qweight.shape[1] * 8 if group_size == -1 else group_size,
+        qweight.stride(0), scales.stride(0), out.stride(0),
+        **flags, BLOCK_N=block_n, TILES=tiles, num_warps=4,
+    )
+    return out
+
+
+def _launch_dequant_matmul(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, cfg) -> None:
+    """Dequantize (in row chunks of `chunk_n`, so the fp16 copy can stay in L2) and multiply with cuBLAS."""
+    chunk = cfg.get("chunk_n") or n
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        weight = dequantize(qweight[start:], scales[:, start:], None if zeros is None else zeros[:, start:],
+                            codebook, stop - start, k, group_size, x.dtype)
+        target = out[:, start:stop]
+        if bias is None:
+            torch.mm(x, weight.t(), out=target)
+        else:
+            torch.addmm(bias[start:stop], x, weight.t(), out=target)
+
+
+_LAUNCHERS = {"gemv": _launch_gemv, "dot": _launch_dot, "dequant": _launch_dequant_matmul}
+
+
+def matmul(x, qweight, scales, zeros, codebook, bias, n, k, group_size, config, out=None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for x ``[M, K]`` with unit column stride, already in stored K order."""
+    if out is None:
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    _LAUNCHERS[config["kernel"]](x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, config)
+    return out

@@ -1,0 +1,79 @@
+"""Launch configurations: tables tuned offline per GPU (``configs/<gpu>.json``, keyed by ``"NxK"`` and an M
+bucket) and a heuristic for shapes and GPUs without one. Nothing is tuned at import or call time.
+
+A config is a dict: ``{"kernel": "gemv", "block_n", "tiles", "split_k", "num_warps", "num_stages"}``,
+``{"kernel": "dot", "block_m", "block_n", "split_k", "swap_ab", "num_warps", "num_stages"}`` or
+``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from .formats import PAD_N, TILE_K, round_up
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# When a table has no "heuristic" section: the M ranges of each path.
+DEFAULT_THRESHOLDS = {"gemv_max_m": 1, "dequant_min_m": 512}
+
+
+def _slug(device_name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
+
+
+@functools.lru_cache(maxsize=None)
+def table(device_name: str) -> dict:
+    path = CONFIG_DIR / f"{_slug(device_name)}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(device: torch.device) -> tuple[str, int]:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.name, props.multi_processor_count
+    return "interpreter", 4  # the Triton interpreter on CPU tensors: small grids
+
+
+def _bucket(entry: dict, m: int) -> dict:
+    buckets = sorted(int(b) for b in entry)
+    for b in buckets:
+        if m <= b:
+            return entry[str(b)]
+    return entry[str(buckets[-1])]
+
+
+def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = None) -> dict:
+    """A config from the problem size alone, shaped like the H200 sweep's winners: enough programs to fill
+    the GPU (split-K when N is small), one K=128 dot per tile with the weight rows as the MMA's M."""
+    limits = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    rows = round_up(n, PAD_N)
+    tiles = round_up(k, TILE_K) // TILE_K
+    if m <= limits["gemv_max_m"]:
+        block_n = 8  # few rows and many K-tiles per program won on every H200 shape
+        per_iter = min(32, 1 << (tiles.bit_length() - 1))
+        programs = rows // block_n
+        split = 1 if programs >= 2 * sm_count else min(-(-2 * sm_count // programs), max(1, tiles // per_iter))
+        return {"kernel": "gemv", "block_n": block_n, "tiles": per_iter, "split_k": split,
+                "num_warps": 4, "num_stages": 1}
+    if m >= limits["dequant_min_m"]:
+        return {"kernel": "dequant", "chunk_n": 4096 if m >= 1024 else 0}
+    block_m, block_n, warps = (16, 128, 8) if m <= 16 else (64, 64, 4)
+    programs = -(-m // block_m) * (rows // block_n)
+    split = 1 if programs >= sm_count else min(-(-2 * sm_count // programs), max(1, tiles // 4))
+    return {"kernel": "dot", "block_m": block_m, "block_n": block_n, "split_k": split, "swap_ab": True,
+            "full_tile": True, "num_warps": warps, "num_stages": 3}
+
+
+def select(m: int, n: int, k: int, device: torch.device) -> dict:
+    """The tuned config for (N, K) and M's bucket on this GPU, else the heuristic."""
+    name, sm_count = _device_info(device)
+    tuned = table(name)
+    entry = tuned.get("shapes", {}).get(f"{n}x{k}")
+    if entry:
+        return _bucket(entry, m)
+    return heuristic(m, n, k, sm_count, tuned.get("heuristic"))
