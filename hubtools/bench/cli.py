@@ -38,16 +38,29 @@ def bench_main(argv: list[str] | None = None) -> int:
 
 
 def report_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="report.py", description="Results files -> docs/benchmarks/*.md + PNG.")
-    parser.add_argument("results", nargs="*", type=Path, help="results files (default: docs/benchmarks/*-results.json)")
-    args = parser.parse_args(argv)
+    parser = argparse.ArgumentParser(
+        prog="report.py",
+        description="docs/benchmarks/<kernel>-results.json -> docs/benchmarks/<kernel>.md + PNG, docs/RESULTS.md, "
+                    "and the headline table in README.md.")
+    parser.parse_args(argv)
 
-    from .report import write_report
+    from . import report
 
-    files = args.results or sorted(DOCS.glob("*-results.json"))
-    if not files:
+    workspace = Workspace.load()
+    files = [DOCS / f"{name}-results.json" for name in workspace.members]
+    all_results = [report.load(f) for f in files if f.exists()]
+    if not all_results:
         print("no results files; run scripts/bench.py on a GPU first", file=sys.stderr)
         return 1
-    for file in files:
-        print(f"wrote {write_report(file, DOCS)}")
+    for results in all_results:
+        print(f"wrote {report.write_kernel_page(results, DOCS)}")
+    plot = DOCS / "package-roofline.png"
+    report.package_plot(all_results, plot)
+    page = REPO_ROOT / "docs" / "RESULTS.md"
+    page.write_text(report.package_page(all_results, [], f"benchmarks/{plot.name}"))
+    print(f"wrote {page}")
+    readme = REPO_ROOT / "README.md"
+    headline = report.headline_table(all_results, "docs/benchmarks")
+    readme.write_text(report.replace_marked(readme.read_text(), "results", headline))
+    print(f"updated the headline table in {readme}")
     return 0

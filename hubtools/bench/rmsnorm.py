@@ -199,38 +199,34 @@ def backward_case(k, h: int, m: int) -> list[dict]:
     return _rows(f"backward H={h} M={m}", times, nbytes, "torch.compile")
 
 
-def goal_notes(rows: list[dict], copy_bandwidth: float) -> list[str]:
-    """The issue's goals, evaluated on this run's rows (case, % copy, speed-up over torch.compile)."""
+def goals(results: dict) -> list[dict]:
+    """The issue's goals, evaluated on the measured rows: one entry per (goal, case)."""
     by_case: dict[str, dict[str, dict]] = {}
-    for row in rows:
+    for row in results["rows"]:
         by_case.setdefault(row["case"], {})[row["impl"]] = row
-    goals = {"rms_norm": (92.0, 1.05), "fused_add": (93.0, 1.05), "backward": (80.0, None)}
-    notes = []
-    for op, (pct_goal, speedup_goal) in goals.items():
-        met, missed = 0, []
-        for case, impls in by_case.items():
-            name, h, m = case.split()
-            m = int(m.split("=")[1])
-            if name != op or m < GOAL_ROWS:
-                continue
-            ours = impls["ours"]
-            pct = 100 * ours["bytes"] / ours["seconds"] / copy_bandwidth
-            speedup = impls["torch.compile"]["seconds"] / ours["seconds"]
-            if pct >= pct_goal and (speedup_goal is None or speedup >= speedup_goal):
-                met += 1
-            else:
-                missed.append(f"{h} M={m} ({pct:.1f} %, {speedup:.2f}x)")
-        goal = f">= {pct_goal:.0f} % of copy bandwidth" + (f" and >= {speedup_goal}x torch.compile" if speedup_goal else "")
-        notes.append(f"Goal `{op}` at M >= {GOAL_ROWS}, {goal}: met in {met} of {met + len(missed)} cases"
-                     + (f"; missed at {', '.join(missed)}." if missed else "."))
-    decode = [(case, impls) for case, impls in by_case.items() if int(case.split("M=")[1]) < GOAL_ROWS]
-    slower = [f"{case} ({impls['ours']['seconds'] * 1e6:.2f} vs {impls['torch.compile']['seconds'] * 1e6:.2f} µs)"
-              for case, impls in decode if impls["ours"]["seconds"] > impls["torch.compile"]["seconds"]]
-    notes.append(f"Goal decode (M < {GOAL_ROWS}) no slower than torch.compile: met in {len(decode) - len(slower)} of "
-                 f"{len(decode)} cases" + (f"; slower at {'; '.join(slower)}." if slower else "."))
-    notes.append("Decode cases (M <= 128) rotate at most 64 input sets, so their inputs can stay in L2; both "
-                 "implementations are timed the same way.")
-    return notes
+    copy_bandwidth = results["copy_bandwidth"]
+    targets = {"rms_norm": (92.0, 1.05), "fused_add": (93.0, 1.05), "backward": (80.0, None)}
+    out = []
+    for case, impls in by_case.items():
+        op, m = case.split()[0], int(case.split("M=")[1])
+        ours, compiled = impls["ours"], impls["torch.compile"]
+        speedup = compiled["seconds"] / ours["seconds"]
+        if m < GOAL_ROWS:
+            out.append({"goal": "decode: torch.compile time / ours", "case": case, "value": speedup, "target": 1.0,
+                        "met": speedup >= 1.0})
+            continue
+        pct_goal, speedup_goal = targets[op]
+        pct = 100 * ours["bytes"] / ours["seconds"] / copy_bandwidth
+        out.append({"goal": f"{op}: % of copy bandwidth", "case": case, "value": pct, "target": pct_goal,
+                    "met": pct >= pct_goal})
+        if speedup_goal:
+            out.append({"goal": f"{op}: speed-up vs torch.compile", "case": case, "value": speedup,
+                        "target": speedup_goal, "met": speedup >= speedup_goal})
+    return out
+
+
+NOTES = [f"Decode cases (M < {GOAL_ROWS}) rotate at most 64 input sets, so their inputs can stay in L2; both "
+         "implementations are timed the same way."]
 
 
 def _configure_dynamo() -> None:
@@ -260,7 +256,7 @@ def run(kernel_module, *, hidden=HIDDEN, rows=ROWS, backward_hidden=BACKWARD_HID
         torch.cuda.empty_cache()
         if progress:
             progress(results)
-    results["notes"] = goal_notes(results["rows"], results["copy_bandwidth"])
+    results["notes"] = NOTES
     return results
 
 
@@ -395,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         progress_results = run(kernel, rows=rows, progress=progress)
         progress_results["env"]["command"] = "python -m hubtools.bench.rmsnorm run" + (" --goal-sizes" if args.goal_sizes else "")
         args.out.write_text(json.dumps(progress_results, indent=1) + "\n")
-        print("\n".join(progress_results["notes"]))
+        from .report import goals_summary
+
+        print(goals_summary(goals(progress_results)))
     return 0
 
 

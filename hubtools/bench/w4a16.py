@@ -146,7 +146,6 @@ def run(kernel) -> dict:
                      "flops": 2 * n * k})
         del nf4
         torch.cuda.empty_cache()
-    notes += summary(rows, copy_bw)
     return {"kernel": "w4a16", "env": environment(), "copy_bandwidth": copy_bw, "matmul_flops": flops_peak,
             "rows": rows, "notes": notes}
 
@@ -189,37 +188,37 @@ def _bf16_rows(kernel, shape: _Shape, label: str, notes: list) -> list[dict]:
     return rows
 
 
-def summary(rows: list[dict], copy_bw: float) -> list[str]:
-    """Goal lines computed from the measured rows: geometric-mean speed-ups, % of copy BW, vs tinygemm."""
+def goals(results: dict) -> list[dict]:
+    """The issue's goals, evaluated on the measured rows: geometric-mean speed-ups, % of copy BW, vs tinygemm."""
     by_case: dict[str, dict] = {}
-    for r in rows:
+    for r in results["rows"]:
         by_case.setdefault(r["case"], {})[r["impl"]] = r
-    lines = ["## Goals (computed from the rows above)", "",
-             "| metric | measured | goal | met |", "|---|---:|---:|---|"]
+    out = []
 
-    def line(metric, value, goal, fmt="{:.2f}x", higher=True):
-        met = value >= goal if higher else value <= goal
-        lines.append(f"| {metric} | {fmt.format(value)} | {fmt.format(goal)} | {'yes' if met else 'no'} |")
+    def goal(name, case, value, target):
+        out.append({"goal": name, "case": case, "value": value, "target": target, "met": value >= target})
 
-    for m, goal in GOALS.items():
+    def geomean(values):
+        return math.exp(sum(map(math.log, values)) / len(values))
+
+    for m, target in GOALS.items():
         ratios = [c["cublas-fp16"]["seconds"] / c["ours"]["seconds"] for name, c in by_case.items()
                   if name.endswith(f" M={m} fp16") and "ours" in c and "cublas-fp16" in c]
         if ratios:
-            line(f"M={m} fp16 geomean speed-up vs cuBLAS fp16", math.exp(sum(map(math.log, ratios)) / len(ratios)), goal)
+            goal(f"M={m}: geomean speed-up vs cuBLAS fp16", f"M={m} fp16, {len(ratios)} shapes", geomean(ratios),
+                 target)
     nf4 = [c["cublas-fp16"]["seconds"] / c["ours-nf4"]["seconds"] for c in by_case.values() if "ours-nf4" in c]
     if nf4:
-        line("NF4 M=1 geomean speed-up vs cuBLAS fp16", math.exp(sum(map(math.log, nf4)) / len(nf4)), GOAL_NF4)
+        goal("NF4 M=1: geomean speed-up vs cuBLAS fp16", f"M=1 fp16, {len(nf4)} shapes", geomean(nf4), GOAL_NF4)
     for name, c in by_case.items():
         if name.startswith("L3-70B") and name.endswith(" M=1 fp16"):
             r = c["ours"]
-            line(f"{name}: % of copy BW (bytes moved)", 100 * r["bytes"] / r["seconds"] / copy_bw, GOAL_PCT_COPY_70B,
-                 "{:.1f}%")
-            lines.append(f"| {name}: % of copy BW (all-int4 ideal bytes) | "
-                         f"{100 * r['ideal_bytes'] / r['seconds'] / copy_bw:.1f}% | | |")
+            goal("L3-70B M=1: % of copy BW (bytes moved)", name, 100 * r["bytes"] / r["seconds"] / results["copy_bandwidth"],
+                 GOAL_PCT_COPY_70B)
     for name, c in by_case.items():
         if "int4pack" in c:
-            line(f"{name}: speed-up vs aten._weight_int4pack_mm", c["int4pack"]["seconds"] / c["ours"]["seconds"], 1.0)
-    return lines
+            goal("bf16: speed-up vs aten._weight_int4pack_mm", name, c["int4pack"]["seconds"] / c["ours"]["seconds"], 1.0)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
