@@ -4,6 +4,7 @@ Tests never import the source tree, so packaging is exercised on every run. With
 runs Triton kernels through the interpreter (TRITON_INTERPRET must be set before triton is imported).
 """
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ sys.path.insert(0, str(ROOT))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The interpreter needs TRITON_INTERPRET=1 before triton is imported; on a GPU machine it stays unset.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
 from hubtools.build import build_kernel  # noqa: E402
 from hubtools.workspace import Workspace  # noqa: E402
@@ -72,3 +75,14 @@ def scratch_workspace(tmp_path) -> Path:
     from scratch import make_scratch_workspace
 
     return make_scratch_workspace(tmp_path / "workspace")
+
+
+@pytest.fixture(params=[
+    pytest.param("triton", marks=pytest.mark.skipif(not INTERPRETED, reason="needs triton with TRITON_INTERPRET=1")),
+    "torch",
+])
+def path(request, monkeypatch):
+    """Which implementation the ops dispatch to: they read TRITON_INTERPRET at call time (1: the Triton
+    kernels through the interpreter, 0: the PyTorch path)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if request.param == "triton" else "0")
+    return request.param

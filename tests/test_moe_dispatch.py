@@ -13,19 +13,11 @@ import torch
 import torch.nn.functional as F
 
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
-PATHS = ["triton", "torch"]
 
 
 @pytest.fixture(scope="module")
 def k(load_kernel):
     return load_kernel("moe-dispatch")
-
-
-@pytest.fixture(params=PATHS)
-def path(request, monkeypatch):
-    """Dispatch is decided at call time: TRITON_INTERPRET=1 runs the Triton kernels, 0 the PyTorch path."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if request.param == "triton" else "0")
-    return request.param
 
 
 def make_experts(E, H, I, dtype, seed=0):

@@ -7,32 +7,20 @@ dtype. Shapes stay small: the interpreter runs every program in Python.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from types import MethodType
 
 import pytest
 import torch
 
+from conftest import INTERPRETED
+from references import rms_norm_reference
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The interpreter needs TRITON_INTERPRET=1 before triton is imported; conftest sets it without CUDA.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-PATHS = [
-    pytest.param("triton", marks=pytest.mark.skipif(not INTERPRETED, reason="needs triton with TRITON_INTERPRET=1")),
-    "torch",
-]
 
 
 @pytest.fixture(scope="module")
 def k(load_kernel):
     return load_kernel("rmsnorm")
-
-
-@pytest.fixture(params=PATHS)
-def path(request, monkeypatch):
-    """Which implementation the ops dispatch to: the dispatch reads TRITON_INTERPRET at call time."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if request.param == "triton" else "0")
-    return request.param
 
 
 def rtol(dtype: torch.dtype) -> float:
@@ -50,18 +38,6 @@ def assert_same_sum(total, expected, path):
         torch.testing.assert_close(total, expected, rtol=torch.finfo(total.dtype).eps, atol=0)
     else:
         assert torch.equal(total, expected), "x + residual must round exactly like the unfused add"
-
-
-def reference(x, weight, eps=1e-6, offset=0.0, residual=None):
-    """float64 (out, x + residual) with the kernel's rounding points; out dtype as the op returns it."""
-    total = x if residual is None else (x.double() + residual.double()).to(x.dtype)
-    xd = total.double()
-    xhat = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is None:
-        return xhat, total
-    if offset == 0.0:
-        return weight.double() * xhat.to(x.dtype).double(), total
-    return xhat * (offset + weight.double()), total
 
 
 def assert_close(actual, expected, dtype):
@@ -83,7 +59,7 @@ def test_rms_norm_matches_float64(k, path, dtype, offset):
         x, w = rand(m, h, dtype=dtype, scale=3.0), rand(h, dtype=dtype)
         out = k.rms_norm(x, w, 1e-6, offset=offset)
         assert out.dtype == dtype and out.shape == x.shape
-        assert_close(out, reference(x, w, 1e-6, offset)[0], dtype)
+        assert_close(out, rms_norm_reference(x, w, 1e-6, offset)[0], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -93,7 +69,7 @@ def test_fused_add_rms_norm_matches_float64(k, path, dtype, offset):
     for m, h in SHAPES:
         x, r, w = rand(m, h, dtype=dtype), rand(m, h, dtype=dtype, scale=4.0), rand(h, dtype=dtype)
         out, total = k.fused_add_rms_norm(x, r, w, 1e-5, offset=offset)
-        ref_out, ref_total = reference(x, w, 1e-5, offset, residual=r)
+        ref_out, ref_total = rms_norm_reference(x, w, 1e-5, offset, residual=r)
         assert_same_sum(total, ref_total, path)
         assert_close(out, ref_out, dtype)
 
@@ -103,7 +79,7 @@ def test_no_weight_and_leading_dims(k, path):
     x = rand(2, 3, 5, 48, dtype=torch.bfloat16)
     out = k.rms_norm(x, None, 1e-6)
     assert out.shape == x.shape
-    assert_close(out, reference(x, None)[0], torch.bfloat16)
+    assert_close(out, rms_norm_reference(x, None)[0], torch.bfloat16)
 
 
 def test_weight_dtype_promotes_like_llama(k, path):
@@ -112,7 +88,7 @@ def test_weight_dtype_promotes_like_llama(k, path):
     x, w = rand(6, 40, dtype=torch.bfloat16), rand(40)
     out = k.rms_norm(x, w)
     assert out.dtype == torch.float32
-    assert_close(out, reference(x, w)[0], torch.bfloat16)
+    assert_close(out, rms_norm_reference(x, w)[0], torch.bfloat16)
     gemma = k.rms_norm(x, w, offset=1.0)
     assert gemma.dtype == torch.bfloat16
 
@@ -126,9 +102,9 @@ def test_looped_path_for_rows_wider_than_a_block(k, monkeypatch):
     assert k.ops.triton_kernels.launch_config("backward", h)["looped"]
     torch.manual_seed(4)
     x, r, w = rand(3, h, dtype=torch.bfloat16), rand(3, h, dtype=torch.bfloat16), rand(h, dtype=torch.bfloat16)
-    assert_close(k.rms_norm(x, w), reference(x, w)[0], torch.bfloat16)
+    assert_close(k.rms_norm(x, w), rms_norm_reference(x, w)[0], torch.bfloat16)
     out, total = k.fused_add_rms_norm(x, r, w, offset=1.0)
-    ref_out, ref_total = reference(x, w, offset=1.0, residual=r)
+    ref_out, ref_total = rms_norm_reference(x, w, offset=1.0, residual=r)
     assert_same_sum(total, ref_total, "triton")
     assert_close(out, ref_out, torch.bfloat16)
     check_grads(k, x, w, r, offset=0.0)
@@ -141,9 +117,9 @@ def test_large_dynamic_range(k, path):
     x = torch.randn(25, 300) * scales[:, None]
     x[::3, ::7] *= 1e6
     w = rand(300)
-    assert_close(k.rms_norm(x, w), reference(x, w)[0], torch.float32)
+    assert_close(k.rms_norm(x, w), rms_norm_reference(x, w)[0], torch.float32)
     xh = (torch.randn(25, 300) * 10.0 ** torch.linspace(-3, 4, 25)[:, None]).to(torch.float16)
-    assert_close(k.rms_norm(xh, w.half()), reference(xh, w.half())[0], torch.float16)
+    assert_close(k.rms_norm(xh, w.half()), rms_norm_reference(xh, w.half())[0], torch.float16)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy
@@ -158,7 +134,7 @@ def test_nan_and_inf_stay_in_their_row(k, path, h):
     clean = [i for i in range(12) if i not in (3, 7)]
     assert torch.isfinite(out[clean]).all()
     assert out[3].isnan().all()
-    assert_close(out, reference(x, w)[0], torch.bfloat16)
+    assert_close(out, rms_norm_reference(x, w)[0], torch.bfloat16)
 
 
 def test_non_contiguous_inputs(k, path):
@@ -263,7 +239,7 @@ def test_launchers_write_every_element(k, monkeypatch, m, h):
     x, r, w = rand(m, h, dtype=torch.bfloat16), rand(m, h, dtype=torch.bfloat16), rand(h, dtype=torch.bfloat16)
     out, total = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
     kernels.forward(x, r, w, out, total, 1e-6, 0.0)
-    ref_out, ref_total = reference(x, w, residual=r)
+    ref_out, ref_total = rms_norm_reference(x, w, residual=r)
     assert_same_sum(total, ref_total, "triton")
     assert_close(out, ref_out, torch.bfloat16)
     grad_x, grad_w = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from references import rms_norm_reference
+
 EPS = 1e-6
 
 
@@ -20,17 +22,6 @@ def k(load_kernel):
 def poison_allocator(nbytes: int) -> None:
     """Leave NaN in the cached blocks the next allocations will reuse."""
     torch.empty(nbytes // 4 + 1024, device="cuda").fill_(float("nan"))
-
-
-def reference(x, weight, eps=EPS, offset=0.0, residual=None):
-    total = x if residual is None else (x.double() + residual.double()).to(x.dtype)
-    xd = total.double()
-    xhat = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is None:
-        return xhat, total
-    if offset == 0.0:
-        return weight.double() * xhat.to(x.dtype).double(), total
-    return xhat * (offset + weight.double()), total
 
 
 def assert_close(actual, expected, dtype):
@@ -56,11 +47,11 @@ def test_full_sizes_match_float64(k, dtype):
         x, r, w = rand(m, h, dtype=dtype, scale=3.0), rand(m, h, dtype=dtype), rand(h, dtype=dtype)
         nbytes = 4 * x.numel() * x.element_size()
         poison_allocator(nbytes)
-        assert_close(k.rms_norm(x, w), reference(x, w)[0], dtype)
+        assert_close(k.rms_norm(x, w), rms_norm_reference(x, w)[0], dtype)
         for offset in (0.0, 1.0) if dtype == torch.bfloat16 else (0.0,):
             poison_allocator(nbytes)
             out, total = k.fused_add_rms_norm(x, r, w, offset=offset)
-            ref_out, ref_total = reference(x, w, offset=offset, residual=r)
+            ref_out, ref_total = rms_norm_reference(x, w, offset=offset, residual=r)
             assert torch.equal(total, ref_total), f"x + residual rounding at M={m} H={h}"
             assert_close(out, ref_out, dtype)
 
