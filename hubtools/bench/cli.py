@@ -56,8 +56,17 @@ def report_main(argv: list[str] | None = None) -> int:
         print(f"wrote {report.write_kernel_page(results, DOCS)}")
     plot = DOCS / "package-roofline.png"
     report.package_plot(all_results, plot)
+    sections = []
+    decode_file = DOCS / "e2e-decode-results.json"
+    if decode_file.exists():
+        from ..e2e.decode import goals as decode_goals
+
+        decode = report.load(decode_file)
+        decode_plot = DOCS / "e2e-decode.png"
+        report.decode_plot(decode, decode_plot)
+        sections += report.decode_section(decode, decode_goals(decode), f"benchmarks/{decode_plot.name}")
     page = REPO_ROOT / "docs" / "RESULTS.md"
-    page.write_text(report.package_page(all_results, [], f"benchmarks/{plot.name}"))
+    page.write_text(report.package_page(all_results, sections, f"benchmarks/{plot.name}"))
     print(f"wrote {page}")
     readme = REPO_ROOT / "README.md"
     headline = report.headline_table(all_results, "docs/benchmarks")

@@ -272,5 +272,57 @@ def replace_marked(text: str, marker: str, body: str) -> str:
     return head + start + "\n" + body + "\n" + end + rest.split(end, 1)[1]
 
 
+def decode_plot(results: dict, path: Path) -> None:
+    """Per-step time of each (model, config), stacked by category, with each configuration's ceiling."""
+    plt = _pyplot()
+    rows = [r for r in results["rows"] if r.get("breakdown")]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    labels = [f"{r['model']}\n{r['config']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for category in ("matmul", "attention", "norms", "rest"):
+        heights = [1e3 * r["breakdown"][category] for r in rows]
+        ax.bar(labels, heights, bottom=bottom, label=category)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.scatter(labels, [1e3 / r["ceiling_actual_tokens_per_s"] for r in rows], marker="_", s=900, color="k",
+               label="roofline: bytes moved / copy BW", zorder=3)
+    ax.scatter(labels, [1e3 / r["ceiling_ideal_tokens_per_s"] for r in rows], marker="_", s=900, color="r",
+               label="roofline: all-int4 ideal bytes / copy BW", zorder=3)
+    ax.set_ylabel("ms per token (batch 1, CUDA graph)")
+    ax.tick_params(axis="x", labelsize=7)
+    env = results["env"]
+    _finish(fig, ax, f"batch-1 decode on {env['gpu']}, {env['date']}; torch {env['torch']}, triton {env['triton']}, "
+                     f"transformers {env['transformers']}\n{env['command']}", path)
+
+
+def decode_section(results: dict, goal_list: list[dict], plot_name: str) -> list[str]:
+    env = results["env"]
+    lines = [
+        "## End to end: batch-1 decode",
+        "",
+        f"Llama-architecture models with random weights at real shapes; measured on {stamp(env)}. "
+        f"Copy bandwidth in the same run: {results['copy_bandwidth'] / 1e12:.2f} TB/s. "
+        "Ceiling = copy bandwidth / bytes per token, counted two ways: the bytes this configuration moves "
+        "(bf16 matrices left in bf16, KV cache as transformers moves it) and the all-int4 ideal.",
+        "",
+        f"![decode breakdown]({plot_name})",
+        "",
+        "| model | config | tok/s | ms/token | vs bf16 | % of ceiling (bytes moved) | % of ceiling (int4 ideal) "
+        "| matmul / attention / norms / rest (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results["rows"]:
+        parts = " / ".join(f"{1e3 * r['breakdown'][c]:.2f}" for c in ("matmul", "attention", "norms", "rest"))
+        lines.append(f"| {r['model']} | {r['config']} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.3f} | "
+                     f"{r['speedup_vs_bf16']:.2f}x | {100 * r['fraction_of_actual_ceiling']:.1f} | "
+                     f"{100 * r['fraction_of_ideal_ceiling']:.1f} | {parts} |")
+    lines += ["", f"Goals: {goals_summary(goal_list)}.", "", "| goal | case | measured | target | met |",
+              "|---|---|---:|---:|---|"]
+    for g in goal_list:
+        lines.append(f"| {g['goal']} | {g['case']} | {g['value']:.2f} | ≥ {g['target']:.2f} | "
+                     f"{'yes' if g['met'] else '**no**'} |")
+    lines += ["", "How it was measured:", ""] + [f"- {k}: {v}" for k, v in results["method"].items()] + [""]
+    return lines
+
+
 def load(path: Path) -> dict:
     return json.loads(path.read_text())
