@@ -65,6 +65,8 @@ def report_main(argv: list[str] | None = None) -> int:
         decode_plot = DOCS / "e2e-decode.png"
         report.decode_plot(decode, decode_plot)
         sections += report.decode_section(decode, decode_goals(decode), f"benchmarks/{decode_plot.name}")
+    for smollm2_file in sorted(DOCS.glob("e2e-smollm2-*results.json")):
+        sections += report.smollm2_section(report.load(smollm2_file))
     page = REPO_ROOT / "docs" / "RESULTS.md"
     page.write_text(report.package_page(all_results, sections, f"benchmarks/{plot.name}"))
     print(f"wrote {page}")

@@ -324,5 +324,40 @@ def decode_section(results: dict, goal_list: list[dict], plot_name: str) -> list
     return lines
 
 
+PPL_GOAL = 1.05  # int4 group 128 with zero points: perplexity within 5% of the unquantized model
+
+
+def smollm2_section(results: dict) -> list[str]:
+    """examples/smollm2.py on one device: perplexity, speed and memory of each variant."""
+    env, text = results["env"], results["text"]
+    device = env["gpu"] if env["gpu"] != "cpu" else f"CPU ({env.get('cpu_threads', '?')} threads)"
+    lines = [
+        f"## End to end: SmolLM2-135M-Instruct on {device}",
+        "",
+        f"`examples/smollm2.py`: {results['model']['package']} ({results['model']['gguf_file']}, so the "
+        "'unquantized' baseline is the GGUF's weights dequantized to "
+        f"{results['model']['dtype']}); RMSNorm kernelized, linear layers quantized with w4a16 "
+        f"(lm_head: {results['model']['lm_head']}). Perplexity on `{text['file']}` ({text['tokens']} tokens, "
+        f"{text['method']}, window {text['window']}, stride {text['stride']}). Memory: {results['memory']}. "
+        f"Measured {env['date']} (torch {env['torch']}, transformers {env['transformers']}); command: "
+        f"`{env['command']}`.",
+        "",
+        "| variant | group sizes (layers) | perplexity | vs unquantized | tok/s | linear weights MB | peak MB |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results["rows"]:
+        groups = ", ".join(f"{g}: {n}" for g, n in (r.get("layers_per_group_size") or {}).items()) or "-"
+        lines.append(f"| {r['variant']} | {groups} | {r['perplexity']:.2f} | {r['ppl_ratio_vs_unquantized']:.3f}x | "
+                     f"{r['tokens_per_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {r['peak_memory_bytes'] / 1e6:.1f} |")
+    headline = [r for r in results["rows"] if r["variant"] == "int4-g128-zp"]
+    if headline:
+        ratio = headline[0]["ppl_ratio_vs_unquantized"]
+        lines += ["", f"Goal: int4 group 128 with zero points within {100 * (PPL_GOAL - 1):.0f}% of the unquantized "
+                      f"perplexity: measured {ratio:.3f}x, {'met' if ratio <= PPL_GOAL else '**missed**'}. Group 128 "
+                      "applies only where it divides a layer's input width (hidden size 576 = 4.5 x 128); the "
+                      "other layers use group 64, as the table's group sizes column shows."]
+    return lines + [""]
+
+
 def load(path: Path) -> dict:
     return json.loads(path.read_text())

