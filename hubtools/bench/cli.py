@@ -56,7 +56,7 @@ def report_main(argv: list[str] | None = None) -> int:
         print(f"wrote {report.write_kernel_page(results, DOCS)}")
     plot = DOCS / "package-roofline.png"
     report.package_plot(all_results, plot)
-    sections = []
+    sections, e2e_goals = [], {}
     decode_file = DOCS / "e2e-decode-results.json"
     if decode_file.exists():
         from ..e2e.decode import goals as decode_goals
@@ -64,14 +64,17 @@ def report_main(argv: list[str] | None = None) -> int:
         decode = report.load(decode_file)
         decode_plot = DOCS / "e2e-decode.png"
         report.decode_plot(decode, decode_plot)
-        sections += report.decode_section(decode, decode_goals(decode), f"benchmarks/{decode_plot.name}")
+        e2e_goals["decode (e2e)"] = decode_goals(decode)
+        sections += report.decode_section(decode, e2e_goals["decode (e2e)"], f"benchmarks/{decode_plot.name}")
     for smollm2_file in sorted(DOCS.glob("e2e-smollm2-*results.json")):
-        sections += report.smollm2_section(report.load(smollm2_file))
+        smollm2 = report.load(smollm2_file)
+        e2e_goals[f"SmolLM2 (e2e, {smollm2['env']['gpu']})"] = report.smollm2_goals(smollm2)
+        sections += report.smollm2_section(smollm2)
     page = REPO_ROOT / "docs" / "RESULTS.md"
-    page.write_text(report.package_page(all_results, sections, f"benchmarks/{plot.name}"))
+    page.write_text(report.package_page(all_results, sections, f"benchmarks/{plot.name}", e2e_goals))
     print(f"wrote {page}")
     readme = REPO_ROOT / "README.md"
-    headline = report.headline_table(all_results, "docs/benchmarks")
+    headline = report.headline_table(all_results, "docs/benchmarks", e2e_goals)
     readme.write_text(report.replace_marked(readme.read_text(), "results", headline))
     print(f"updated the headline table in {readme}")
     return 0
