@@ -30,6 +30,14 @@ CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot an
     "dot-full-swap-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
                             "full_tile": True},
     "dequant-chunks": {"kernel": "dequant", "chunk_n": 128},
+    # The packed-fp16 GEMV, emulated in the interpreter (no inline PTX there): its tiles, masks, split-K and
+    # zero points; formats and dtypes it does not take (groups of 32 / 64, NF4, bf16) run the portable GEMV.
+    "gemv-half2": {"kernel": "gemv", "block_n": 64, "tiles": 2, "split_k": 1, "half2": True},
+    "gemv-half2-split-prefetch": {"kernel": "gemv", "block_n": 32, "tiles": 2, "split_k": 2, "prefetch": True,
+                                  "half2": True},  # K = 384: 3 tiles in 2 splits of 2, the last tile masked
+    # As the tuned tables write it: the fp32 GEMV's tiles, and the packed-fp16 GEMV's own where it applies.
+    "gemv-half2-own-tiles": {"kernel": "gemv", "block_n": 64, "tiles": 2, "split_k": 1,
+                             "half2": {"block_n": 32, "tiles": 1, "split_k": 2, "prefetch": True}},
 }
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # one rounding of the result (and of weights on dot paths)
 
@@ -149,6 +157,30 @@ def _check_launch(k, fmt, zero_point, group_size, kk, config, dtype, m):
     k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, group_size, config, out=out)
     assert not out.isnan().any()
     assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[dtype]
+
+
+def test_half2_gemv_applies_where_supported(k):
+    """fp16 int4 with tile-sized (or per-channel) groups takes the packed-fp16 GEMV; the rest does not."""
+    tk = k.triton_kernels
+    x16, x_bf = torch.zeros(1, 256, dtype=torch.float16), torch.zeros(1, 256, dtype=torch.bfloat16)
+    assert all(tk.half2_supported(x16, None, g) for g in (128, 256, -1))
+    assert not tk.half2_supported(x_bf, None, 128)
+    assert not tk.half2_supported(x16, None, 64) and not tk.half2_supported(x16, None, 32)
+    assert not tk.half2_supported(x16, torch.zeros(16), 128)
+    assert k.tuning.heuristic(1, 4096, 4096, 132)["half2"]
+
+
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_half2_gemv_large_activations(k, zero_point):
+    """The packed-fp16 GEMV divides codes by 16 so that |x| in the thousands stays finite (emulated here; the
+    GPU test runs the PTX)."""
+    kk = 512
+    qw = k.quantize(_weight(N, kk, seed=13), group_size=128, zero_point=zero_point)
+    x = (torch.randn(1, kk, generator=_gen(14)) * 3000).half()
+    config = {"kernel": "gemv", "block_n": 64, "tiles": 4, "split_k": 1, "half2": True}
+    out = k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, None, N, kk, 128, config)
+    assert out.isfinite().all()
+    assert _rel_err(out, _reference(k, x, qw)) < TOL[torch.float16]
 
 
 @pytest.mark.parametrize("m", [1, 5, 40, 600])

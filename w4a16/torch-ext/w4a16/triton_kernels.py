@@ -6,7 +6,8 @@ Dequantization never converts int -> float (a low-throughput instruction on Hopp
 into the mantissa of 2**23 (bits 0x4B000000) and reading the word as fp32 gives exactly 2**23 + field,
 so one AND-OR and one FADD give ``code - zero``. In the GEMV the field is masked in place, without a
 shift, which multiplies it by 16**i; x is pre-scaled by 16**-i (exact) instead.
-All accumulation is fp32; offsets that scale with M, N or K are 64-bit.
+All accumulation is fp32 (the packed-fp16 GEMV, `_gemv_h2_kernel`, sums 8 products in fp16 before that);
+offsets that scale with M, N or K are 64-bit.
 """
 
 from __future__ import annotations
@@ -118,6 +119,209 @@ def _gemv_kernel(
                     acc += psum * s.to(tl.float32)
                 part = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
     result = tl.sum(acc, axis=1)
+    if PER_CHANNEL:
+        result = result * scale
+    row_ok = rows < N
+    if not PARTIAL:
+        if HAS_BIAS:
+            result += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + rows, result.to(out_ptr.dtype.element_ty), mask=row_ok)
+    else:
+        tl.store(out_ptr + pid_k.to(tl.int64) * stride_split + m * stride_om + rows, result, mask=row_ok)
+
+
+def _i32(bits: int) -> int:
+    """A 32-bit pattern as the signed int32 Triton takes as a constant."""
+    return bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+# Packed-fp16 GEMV (CUDA only, inline PTX). One 32-bit word holds nibbles j and j + 4 of its K positions in
+# its two 16-bit halves (bits 4j.. and 16 + 4j..), so one LOP3 ((w & 0x000F000F) | 0x64006400) makes the
+# fp16 pair (1024 + n_j, 1024 + n_{j+4}); planes 1 and 3 are masked without a shift (1024 + 16 n). One HFMA2
+# per pair then gives (n - zero) / 16 exactly: (1024 + n) / 16 - (64 + z / 16) and (1024 + 16 n) / 256 -
+# (4 + z / 16) are both exact in fp16. The / 16 (undone once on the fp32 result) keeps the fp16 products
+# and the 8-term partial sums finite for |x| up to ~16k even when every term has the same sign (8 terms
+# of at most 8 |x| / 16 each, symmetric codes) and is harmless for small |x| (subnormals start below
+# |x| ~ 2^-10). Per word (8 weights): 4 LOP3 + 1 SHF + 4 HFMA2 (dequant) + 4 HMUL2/HFMA2 (with packed
+# x pairs) + 1 HADD2 + 1 convert, then one fp32 FFMA with the group's scale in Triton: 2 instructions per
+# weight for the word math (the whole K loop of the H200's winning tiles, index math and x packing included:
+# 4.1 SASS instructions per weight, against 6.6 for `_gemv_kernel`). Accuracy: each product and each of
+# the 8 partial additions is rounded to fp16 (2^-11 relative), then everything is accumulated in fp32;
+# simulated and measured relative errors stay ~2x the fp16 rounding of the output itself
+# (docs/benchmarks/w4a16-gemv-attempt.md).
+_H2_ASM = tl.constexpr("""
+{
+.reg .b32 t0, t1, t2, t3, w8, p, m1, m2, mg, k16, k256;
+.reg .b16 lo, hi;
+mov.b32 m1, 0x000F000F;
+mov.b32 m2, 0x00F000F0;
+mov.b32 mg, 0x64006400;
+mov.b32 k16, 0x2C002C00;
+mov.b32 k256, 0x1C001C00;
+lop3.b32 t0, $1, m1, mg, 0xEA;
+lop3.b32 t1, $1, m2, mg, 0xEA;
+shr.u32 w8, $1, 8;
+lop3.b32 t2, w8, m1, mg, 0xEA;
+lop3.b32 t3, w8, m2, mg, 0xEA;
+fma.rn.f16x2 t0, t0, k16, $2;
+fma.rn.f16x2 t1, t1, k256, $3;
+fma.rn.f16x2 t2, t2, k16, $2;
+fma.rn.f16x2 t3, t3, k256, $3;
+mul.rn.f16x2 p, t0, $4;
+fma.rn.f16x2 p, t1, $5, p;
+fma.rn.f16x2 p, t2, $6, p;
+fma.rn.f16x2 p, t3, $7, p;
+mov.b32 {lo, hi}, p;
+add.rn.f16 lo, lo, hi;
+cvt.f32.f16 $0, lo;
+}
+""")
+_ZLO_SYM = tl.constexpr(_i32(0xD408D408))  # fp16 pair -(64 + 8/16): the symmetric zero point 8
+_ZHI_SYM = tl.constexpr(_i32(0xC480C480))  # fp16 pair -(4 + 8/16)
+
+
+@triton.jit
+def _h2_pack(a, b):
+    """Two fp16 tensors as one int32 tensor of fp16 pairs (a in the low half)."""
+    lo = a.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = b.to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return lo | hi
+
+
+@triton.jit
+def _h2_low(v):
+    """The fp16 in the low half of each int32, as fp32 (interpreter emulation only)."""
+    return (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _h2_zero_pairs(zero):
+    """fp16 pairs -(64 + z/16) and -(4 + z/16) for a float zero point z (exact in fp16 for 0 <= z <= 16)."""
+    zlo = (-(64.0 + zero * 0.0625)).to(tl.float16)
+    zhi = (-(4.0 + zero * 0.0625)).to(tl.float16)
+    return _h2_pack(zlo, zlo), _h2_pack(zhi, zhi)
+
+
+@triton.jit
+def _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
+    """sum_j (code_j - zero) / 16 * x_j over the 8 nibbles of each word, as fp32 (see _H2_ASM).
+
+    xp_J packs the x of nibbles J (low half) and J + 4 (high half). EMULATE (the interpreter, which cannot
+    run inline PTX) computes the same sum in fp32 from the same packed operands."""
+    if EMULATE:
+        zero16 = -64.0 - _h2_low(zlo)  # z / 16
+        part = tl.zeros(w.shape, dtype=tl.float32)
+        for j in tl.static_range(4):
+            if j == 0:
+                xp = xp0
+            elif j == 1:
+                xp = xp1
+            elif j == 2:
+                xp = xp2
+            else:
+                xp = xp3
+            lo = ((w >> (4 * j)) & 0xF).to(tl.float32) * 0.0625 - zero16
+            hi = ((w >> (16 + 4 * j)) & 0xF).to(tl.float32) * 0.0625 - zero16
+            part += lo * _h2_low(xp) + hi * _h2_low(xp >> 16)
+        return part
+    else:
+        return tl.inline_asm_elementwise(_H2_ASM, "=f,r,r,r,r,r,r,r", [w, zlo, zhi, xp0, xp1, xp2, xp3],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _h2_x_pair(x_row, k0, K, J: tl.constexpr, MASK_X: tl.constexpr):
+    """x at K-columns k0 + 16 J (low half) and k0 + 16 J + 64 (high half), packed: the operand of plane pair J."""
+    ka = k0 + J * 16
+    kb = ka + 64
+    if MASK_X:
+        xa = tl.load(x_row + ka, mask=ka < K, other=0.0)
+        xb = tl.load(x_row + kb, mask=kb < K, other=0.0)
+    else:
+        xa = tl.load(x_row + ka)
+        xb = tl.load(x_row + kb)
+    # Integer packing (AND + shift-add), not an inline `mov.b32 {a, b}`: LLVM shares the integer form between
+    # the rows a thread holds, the inline form was repeated per row (PTX / SASS of triton 3.9 for sm_90).
+    return _h2_pack(xa, xb)
+
+
+@triton.jit
+def _gemv_h2_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    N, K, num_tiles, tiles_per_split, group_size,
+    stride_xm, stride_qn, stride_sg, stride_om, stride_split,
+    HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
+    `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations.
+
+    Every (row, tile, word) element keeps its own fp32 accumulator (one FFMA with its group's scale per
+    word); the reductions over words and tiles happen once, after the K loop.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile_ar = tl.arange(0, TILES)
+    col = tl.arange(0, _WORDS)
+    w_ptrs = qw_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + col[None, None, :]
+    x_row = x_ptr + m * stride_xm
+    first = pid_k * tiles_per_split
+    acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+    zlo = tl.full([BLOCK_N, TILES, _WORDS], _ZLO_SYM, tl.int32)
+    zhi = tl.full([BLOCK_N, TILES, _WORDS], _ZHI_SYM, tl.int32)
+    if PER_CHANNEL:
+        scale = tl.load(s_ptr + rows).to(tl.float32)
+        if HAS_ZERO:
+            zlo, zhi = _h2_zero_pairs(tl.load(z_ptr + rows).to(tl.float32)[:, None, None] + acc)
+    if PREFETCH:
+        w_next = tl.load(w_ptrs + (first + tile_ar)[None, :, None] * _WORDS,
+                         mask=((first + tile_ar < num_tiles) & (tile_ar < tiles_per_split))[None, :, None], other=0,
+                         eviction_policy="evict_first")
+    for it in tl.range(0, tiles_per_split, TILES, num_stages=STAGES):
+        tile = first + it + tile_ar
+        live = tile < num_tiles
+        if PREFETCH:
+            w = w_next
+            ahead = tile + TILES
+            w_next = tl.load(w_ptrs + ahead[None, :, None] * _WORDS,
+                             mask=((ahead < num_tiles) & (it + TILES + tile_ar < tiles_per_split))[None, :, None],
+                             other=0, eviction_policy="evict_first")
+        elif MASK_TILES:
+            w = tl.load(w_ptrs + tile[None, :, None] * _WORDS, mask=live[None, :, None], other=0,
+                        eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs + tile[None, :, None] * _WORDS, eviction_policy="evict_first")
+        # x through a pointer tensor of the weight tile's shape (as in _gemv_kernel): the loads and the
+        # packing are shared by the rows a thread holds.
+        if MASK_TILES and not MASK_X:
+            # Tiles past the end read the last tile's x (in bounds, unmasked: the loads stay 128-bit; masked
+            # loads came out as 16-bit ones) and their partial sums are dropped below.
+            x_tile = tl.minimum(tile, num_tiles - 1)
+        else:
+            x_tile = tile
+        k0 = tl.broadcast_to(x_tile[None, :, None] * 128 + col[None, None, :], (BLOCK_N, TILES, _WORDS))
+        xp0 = _h2_x_pair(x_row, k0, K, 0, MASK_X)
+        xp1 = _h2_x_pair(x_row, k0, K, 1, MASK_X)
+        xp2 = _h2_x_pair(x_row, k0, K, 2, MASK_X)
+        xp3 = _h2_x_pair(x_row, k0, K, 3, MASK_X)
+        if not PER_CHANNEL:
+            param_offs = ((tile * 128) // group_size)[None, :].to(tl.int64) * stride_sg + rows[:, None]
+            if HAS_ZERO:
+                zero = tl.load(z_ptr + param_offs, mask=live[None, :], other=0).to(tl.float32)[:, :, None]
+                zlo, zhi = _h2_zero_pairs(zero + tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32))
+        part = _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE)
+        if MASK_TILES:
+            part = tl.where(live[None, :, None], part, 0.0)
+        if PER_CHANNEL:
+            acc += part
+        else:
+            s = tl.load(s_ptr + param_offs, mask=live[None, :], other=0.0).to(tl.float32)
+            acc += part * s[:, :, None]
+    result = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
     if PER_CHANNEL:
         result = result * scale
     row_ok = rows < N
@@ -332,6 +536,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def half2_supported(x, codebook, group_size) -> bool:
+    """Whether the packed-fp16 GEMV (`_gemv_h2_kernel`) applies: fp16 activations, int4 with scale groups of
+    whole 128-column tiles (or per channel), and an NVIDIA GPU (inline PTX) or the interpreter (emulated).
+    Elsewhere (bf16, NF4, groups of 32 / 64, ROCm, XPU) the GEMV config runs the portable `_gemv_kernel`."""
+    if x.dtype != torch.float16 or codebook is not None or not (group_size == -1 or group_size % 128 == 0):
+        return False
+    return _interpreting() or (x.device.type == "cuda" and torch.version.hip is None)
+
+
 def _format_flags(zeros, codebook, group_size) -> dict:
     per_channel = group_size == -1
     return {
@@ -357,6 +570,10 @@ def _reduce_splits(part, bias, out, n) -> None:
 
 
 def _launch_gemv(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, cfg) -> None:
+    half2 = cfg.get("half2", False)
+    use_half2 = bool(half2) and half2_supported(x, codebook, group_size)
+    if use_half2 and isinstance(half2, dict):  # the packed-fp16 GEMV's own tiles (tuned apart from the fp32 one)
+        cfg = {**cfg, **half2}
     m = x.shape[0]
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     block_n, tiles = cfg["block_n"], cfg["tiles"]
@@ -365,16 +582,28 @@ def _launch_gemv(x, qweight, scales, zeros, codebook, bias, out, n, k, group_siz
     mask_tiles = num_tiles % per_split != 0
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     grid = (qweight.shape[0] // block_n, splits, m)
-    _gemv_kernel[grid](
-        x, qweight, scales, _or(zeros, scales),
-        _or(codebook, scales), _or(bias, scales), target,
-        n, k, num_tiles, per_split, qweight.shape[1] * 8 if group_size == -1 else group_size,
-        x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
-        **_format_flags(zeros, codebook, group_size),
+    common = dict(
         HAS_BIAS=bias is not None, PARTIAL=splits > 1, MASK_X=mask_tiles or k % 128 != 0, MASK_TILES=mask_tiles,
         BLOCK_N=block_n, TILES=tiles, STAGES=cfg.get("num_stages", 1), PREFETCH=bool(cfg.get("prefetch", False)),
         num_warps=cfg.get("num_warps", 4),
     )
+    group = qweight.shape[1] * 8 if group_size == -1 else group_size
+    if use_half2:
+        _gemv_h2_kernel[grid](
+            x, qweight, scales, _or(zeros, scales), _or(bias, scales), target,
+            n, k, num_tiles, per_split, group,
+            x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
+            HAS_ZERO=zeros is not None, PER_CHANNEL=group_size == -1, EMULATE=_interpreting(),
+            **dict(common, MASK_X=k % 128 != 0),  # masked tiles mask x per tile (MASK_TILES)
+        )
+    else:
+        _gemv_kernel[grid](
+            x, qweight, scales, _or(zeros, scales),
+            _or(codebook, scales), _or(bias, scales), target,
+            n, k, num_tiles, per_split, group,
+            x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
+            **_format_flags(zeros, codebook, group_size), **common,
+        )
     if splits > 1:
         _reduce_splits(target, bias, out, n)
 
