@@ -47,8 +47,11 @@ def report_main(argv: list[str] | None = None) -> int:
     from . import report
 
     workspace = Workspace.load()
-    files = [DOCS / f"{name}-results.json" for name in workspace.members]
-    all_results = [report.load(f) for f in files if f.exists()]
+    # <kernel>-results.json is the full benchmark; <kernel>-<run>-results.json files are narrower later runs.
+    all_results = []
+    for name in workspace.members:
+        paths = sorted(DOCS.glob(f"{name}*-results.json"), key=lambda p: (p.name != f"{name}-results.json", p.name))
+        all_results += [r for r in map(report.load, paths) if r.get("kernel") == name]
     if not all_results:
         print("no results files; run scripts/bench.py on a GPU first", file=sys.stderr)
         return 1

@@ -1,7 +1,7 @@
 """Measure block-size candidates on a GPU and write the tuned configs the package ships.
 
     python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --out DIR [--compile-only --shard I/N]
-    python -m hubtools.bench.moe_dispatch_tune --configs-from docs/benchmarks/moe-dispatch-tune-results.json \
+    python -m hubtools.bench.moe_dispatch_tune --configs-from docs/benchmarks/moe-dispatch-tune.json \
         --out moe-dispatch/torch-ext/moe_dispatch
 
 BUILD_DIR is a built kernel (`scripts/publish.py --build-only --out X moe-dispatch` -> X/moe-dispatch/build).

@@ -111,15 +111,15 @@ def _time_verified(fn: Callable[[int], torch.Tensor], copies: int, xs, ref_fn, d
     return time_graph(fn, copies, **plan), err
 
 
-def run(kernel) -> dict:
+def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
     warm_clocks()
     copy_bw = measure_copy_bandwidth()
     flops_peak = measure_matmul_flops()
     rows, notes = [], []
-    for label, k, n in SHAPES:
+    for label, k, n in shapes:
         shape = _Shape(kernel, k, n)
         dense16 = shape.dense_copies(torch.float16)
-        for m in TOKENS:
+        for m in tokens:
             case = f"{label} M={m} fp16"
             xs = _inputs(m, k, torch.float16, max(shape.copies, len(dense16)))
             base = {"flops": 2 * m * n * k}
@@ -134,7 +134,7 @@ def run(kernel) -> dict:
                          "rel_err": err, **base})
             print(f"{case}: ours {rows[-2]['seconds'] * 1e6:.1f} us, cublas {t * 1e6:.1f} us", flush=True)
         del dense16
-        if label in BF16_SHAPES:
+        if label in bf16_shapes:
             rows += _bf16_rows(kernel, shape, label, notes)
         del shape
         nf4 = _Shape(kernel, k, n, fmt="nf4")
@@ -190,9 +190,11 @@ def _bf16_rows(kernel, shape: _Shape, label: str, notes: list) -> list[dict]:
 
 def goals(results: dict) -> list[dict]:
     """The issue's goals, evaluated on the measured rows: geometric-mean speed-ups, % of copy BW, vs tinygemm."""
+    goal_shapes = {label for label, _, _ in SHAPES}  # the issue's Llama-3 shapes; the others are reported only
     by_case: dict[str, dict] = {}
     for r in results["rows"]:
-        by_case.setdefault(r["case"], {})[r["impl"]] = r
+        if r["case"].split(" M=")[0] in goal_shapes:
+            by_case.setdefault(r["case"], {})[r["impl"]] = r
     out = []
 
     def goal(name, case, value, target):
@@ -536,11 +538,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", nargs="*", type=int, default=[1, 16, 64, 256, 1024])
     parser.add_argument("--table", type=Path, help="also write the launch table the kernel ships here")
     parser.add_argument("--code", type=Path, help="write the winning M=1 / M=16 kernels' TTGIR, PTX, cubin here")
+    parser.add_argument("--decode-run", action="store_true",
+                        help="instead of the sweep: the benchmark (`run`) at M=1 only, Llama-3 and Qwen2.5-1.5B "
+                             "shapes, written as a results file (e.g. docs/benchmarks/w4a16-m1-results.json)")
     parser.add_argument("--compare-gemv", action="store_true",
                         help="instead of the sweep: M=1 fp32 GEMV vs packed-fp16 GEMV candidates vs cuBLAS "
                              "(compare_gemv)")
     args = parser.parse_args(argv)
     project = Workspace.load().kernel("w4a16")
+    if args.decode_run:
+        with tempfile.TemporaryDirectory() as tmp:
+            module = kernels.get_local_kernel(build_kernel(project, Path(tmp)) / "build")
+            results = run(module, shapes=SHAPES + QWEN_SHAPES, tokens=(1,), bf16_shapes=())
+        results["env"]["command"] = "python -m hubtools.bench.w4a16 --decode-run --out " + str(args.out)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return 0
     if args.compare_gemv:
         with tempfile.TemporaryDirectory() as tmp:
             module = kernels.get_local_kernel(build_kernel(project, Path(tmp)) / "build")
