@@ -26,6 +26,31 @@ _WORDS = tl.constexpr(WORDS_PER_TILE)
 
 
 @triton.jit
+def _word_tiles(w_ptrs, tile, live, MASKED: tl.constexpr):
+    """The [BLOCK_N, TILES, 16] words of K-tiles `tile` (dead tiles read as 0 when MASKED); weights are
+    streamed once, so they are evicted first."""
+    offs = w_ptrs + tile[None, :, None] * _WORDS
+    if MASKED:
+        w = tl.load(offs, mask=live[None, :, None], other=0, eviction_policy="evict_first")
+    else:
+        w = tl.load(offs, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _store_gemv_rows(result, rows, N, m, pid_k, bias_ptr, out_ptr, stride_om, stride_split,
+                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """A GEMV program's fp32 row results: with the bias into the output, or as this split's partials."""
+    row_ok = rows < N
+    if not PARTIAL:
+        if HAS_BIAS:
+            result += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + rows, result.to(out_ptr.dtype.element_ty), mask=row_ok)
+    else:
+        tl.store(out_ptr + pid_k.to(tl.int64) * stride_split + m * stride_om + rows, result, mask=row_ok)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
     N, K, num_tiles, tiles_per_split, group_size,
@@ -55,9 +80,7 @@ def _gemv_kernel(
         if HAS_ZERO:
             zero = tl.load(z_ptr + rows).to(tl.float32)[:, None, None]
     if PREFETCH:
-        w_next = tl.load(w_ptrs + (first + tile_ar)[None, :, None] * _WORDS,
-                         mask=((first + tile_ar < num_tiles) & (tile_ar < tiles_per_split))[None, :, None], other=0,
-                         eviction_policy="evict_first")
+        w_next = _word_tiles(w_ptrs, first + tile_ar, (first + tile_ar < num_tiles) & (tile_ar < tiles_per_split), True)
     for it in tl.range(0, tiles_per_split, TILES, num_stages=STAGES):
         tile = first + it + tile_ar
         live = tile < num_tiles
@@ -65,14 +88,9 @@ def _gemv_kernel(
             # The next tile's load is issued before this tile's math: two loads in flight per program.
             w = w_next
             ahead = tile + TILES
-            w_next = tl.load(w_ptrs + ahead[None, :, None] * _WORDS,
-                             mask=((ahead < num_tiles) & (it + TILES + tile_ar < tiles_per_split))[None, :, None],
-                             other=0, eviction_policy="evict_first")
-        elif MASK_TILES:
-            w = tl.load(w_ptrs + tile[None, :, None] * _WORDS, mask=live[None, :, None], other=0,
-                        eviction_policy="evict_first")
+            w_next = _word_tiles(w_ptrs, ahead, (ahead < num_tiles) & (it + TILES + tile_ar < tiles_per_split), True)
         else:
-            w = tl.load(w_ptrs + tile[None, :, None] * _WORDS, eviction_policy="evict_first")
+            w = _word_tiles(w_ptrs, tile, live, MASK_TILES)
         # x is loaded through a pointer tensor of the weight tile's shape (constant along rows), so it gets the
         # weight tile's register layout: a [TILES, 16] x tile needs a shared-memory layout conversion (two
         # barriers and a serialized load) per nibble plane; removing them made the GEMV ~12% faster on the H200.
@@ -121,13 +139,7 @@ def _gemv_kernel(
     result = tl.sum(acc, axis=1)
     if PER_CHANNEL:
         result = result * scale
-    row_ok = rows < N
-    if not PARTIAL:
-        if HAS_BIAS:
-            result += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + rows, result.to(out_ptr.dtype.element_ty), mask=row_ok)
-    else:
-        tl.store(out_ptr + pid_k.to(tl.int64) * stride_split + m * stride_om + rows, result, mask=row_ok)
+    _store_gemv_rows(result, rows, N, m, pid_k, bias_ptr, out_ptr, stride_om, stride_split, HAS_BIAS, PARTIAL)
 
 
 def _i32(bits: int) -> int:
@@ -278,23 +290,17 @@ def _gemv_h2_kernel(
         if HAS_ZERO:
             zlo, zhi = _h2_zero_pairs(tl.load(z_ptr + rows).to(tl.float32)[:, None, None] + acc)
     if PREFETCH:
-        w_next = tl.load(w_ptrs + (first + tile_ar)[None, :, None] * _WORDS,
-                         mask=((first + tile_ar < num_tiles) & (tile_ar < tiles_per_split))[None, :, None], other=0,
-                         eviction_policy="evict_first")
+        w_next = _word_tiles(w_ptrs, first + tile_ar, (first + tile_ar < num_tiles) & (tile_ar < tiles_per_split), True)
     for it in tl.range(0, tiles_per_split, TILES, num_stages=STAGES):
         tile = first + it + tile_ar
         live = tile < num_tiles
         if PREFETCH:
+            # The next tile's load is issued before this tile's math: two loads in flight per program.
             w = w_next
             ahead = tile + TILES
-            w_next = tl.load(w_ptrs + ahead[None, :, None] * _WORDS,
-                             mask=((ahead < num_tiles) & (it + TILES + tile_ar < tiles_per_split))[None, :, None],
-                             other=0, eviction_policy="evict_first")
-        elif MASK_TILES:
-            w = tl.load(w_ptrs + tile[None, :, None] * _WORDS, mask=live[None, :, None], other=0,
-                        eviction_policy="evict_first")
+            w_next = _word_tiles(w_ptrs, ahead, (ahead < num_tiles) & (it + TILES + tile_ar < tiles_per_split), True)
         else:
-            w = tl.load(w_ptrs + tile[None, :, None] * _WORDS, eviction_policy="evict_first")
+            w = _word_tiles(w_ptrs, tile, live, MASK_TILES)
         # x through a pointer tensor of the weight tile's shape (as in _gemv_kernel): the loads and the
         # packing are shared by the rows a thread holds.
         if MASK_TILES and not MASK_X:
@@ -324,13 +330,7 @@ def _gemv_h2_kernel(
     result = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
     if PER_CHANNEL:
         result = result * scale
-    row_ok = rows < N
-    if not PARTIAL:
-        if HAS_BIAS:
-            result += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + rows, result.to(out_ptr.dtype.element_ty), mask=row_ok)
-    else:
-        tl.store(out_ptr + pid_k.to(tl.int64) * stride_split + m * stride_om + rows, result, mask=row_ok)
+    _store_gemv_rows(result, rows, N, m, pid_k, bias_ptr, out_ptr, stride_om, stride_split, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
