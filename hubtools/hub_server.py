@@ -174,7 +174,7 @@ class Entry(NamedTuple):
 
 
 class GitError(RuntimeError):
-    pass
+    """A git command on a repository under the data folder failed."""
 
 
 def run_git(git_dir: Path, *args: str, input: bytes | None = None, env: dict | None = None, check: bool = True):

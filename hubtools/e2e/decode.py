@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib.metadata
 import datetime
 import json
 import math
@@ -689,12 +690,7 @@ def environment(device: str, argv: Optional[list[str]] = None) -> dict:
                "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
                "python": platform.python_version(), "command": command}
     env["transformers"] = transformers.__version__
-    try:
-        import kernels
-
-        env["kernels"] = kernels.__version__
-    except (ImportError, AttributeError):
-        pass
+    env["kernels"] = importlib.metadata.version("kernels")  # the run loads every kernel through it
     return env
 
 
