@@ -36,8 +36,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import importlib.metadata
 import datetime
+import importlib.metadata
 import json
 import math
 import platform
