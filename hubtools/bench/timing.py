@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import platform
 import sys
 from typing import Callable, Sequence
@@ -100,18 +101,34 @@ def time_graph(
     return best / calls
 
 
-def environment(command: Sequence[str] | None = None) -> dict:
-    """GPU, date, versions and the command: stamped on every results file and figure."""
-    import triton  # noqa: PLC0415  (GPU-only tooling)
+def environment(command: Sequence[str] | None = None, device: torch.device | str | None = None) -> dict:
+    """Device, date, versions and the command: stamped on every results file and figure. `device`: where
+    the run ran (default: the first GPU if there is one); "gpu" says "cpu" for CPU runs."""
+    try:
+        import triton  # noqa: PLC0415  (absent from the torch-cpu world is fine)
 
-    props = torch.cuda.get_device_properties(0)
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
     return {
-        "gpu": props.name,
-        "sm_count": props.multi_processor_count,
+        "gpu": props.name if props else "cpu",
+        "sm_count": props.multi_processor_count if props else None,
+        "cpu_threads": torch.get_num_threads(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": triton_version,
         "cuda": torch.version.cuda,
+        "transformers": version("transformers"),
+        "kernels": version("kernels"),
         "python": platform.python_version(),
-        "command": " ".join(command if command is not None else sys.argv),
+        "command": "python " + " ".join(command if command is not None else sys.argv),
     }

@@ -36,13 +36,9 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import datetime
-import importlib.metadata
 import json
 import math
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +47,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..bench.timing import environment
 from ..workspace import REPO_ROOT
 
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "e2e-decode-results.json"
@@ -669,31 +666,6 @@ METHOD = {
 }
 
 
-def environment(device: str, argv: Optional[list[str]] = None) -> dict:
-    import transformers
-
-    command = "python " + " ".join(argv if argv is not None else sys.argv)
-    if device != "cpu":
-        from ..bench.timing import environment as gpu_environment
-
-        env = gpu_environment()
-        env["command"] = command
-    else:
-        try:
-            import triton
-
-            triton_version = triton.__version__
-        except ImportError:
-            triton_version = None
-        env = {"gpu": None, "sm_count": None,
-               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
-               "python": platform.python_version(), "command": command}
-    env["transformers"] = transformers.__version__
-    env["kernels"] = importlib.metadata.version("kernels")  # the run loads every kernel through it
-    return env
-
-
 def goals(results: dict) -> list[dict]:
     """The issue's goals evaluated on the measured rows, shaped like the kernel bench modules' goals."""
     return [{"goal": "decode tokens/s / bf16 tokens/s", "case": f"{r['model']} {r['config']}",
@@ -733,7 +705,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         warm_clocks()
         copy_bw = measure_copy_bandwidth()
         print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
-    results = {"benchmark": "e2e-decode", "env": environment(args.device, argv), "copy_bandwidth": copy_bw,
+    command = None if argv is None else ["scripts/e2e_decode.py", *argv]
+    results = {"benchmark": "e2e-decode", "env": environment(command, args.device), "copy_bandwidth": copy_bw,
                "settings": {**dataclasses.asdict(settings), "cache_len": settings.cache_len,
                             "context_len": settings.context_len, "group_size": GROUP_SIZE, "dtype": "bfloat16",
                             "batch": 1},
