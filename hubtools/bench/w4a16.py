@@ -258,6 +258,15 @@ def _compiled(jit_fn) -> dict:
     return found
 
 
+def _snapshot(jit_fns: dict) -> dict:
+    return {name: set(_compiled(fn)) for name, fn in jit_fns.items()}
+
+
+def _new_since(jit_fns: dict, before: dict) -> dict:
+    """{kernel name: compiled kernel} for the variants compiled after `before` (a `_snapshot`)."""
+    return {name: ck for name, fn in jit_fns.items() for key, ck in _compiled(fn).items() if key not in before[name]}
+
+
 def _splits(cfg: dict, m: int, n_rows: int, tiles: int, sm_count: int) -> list[int]:
     """Split-K factors worth timing: from filling one wave up to ~4 waves, keeping >= 4 K-tiles per split."""
     if cfg["kernel"] == "gemv" or m > 64:
@@ -296,12 +305,10 @@ def tune(kernel, shapes=SHAPES, tokens=(1, 16, 64, 256, 1024), log: Callable[[st
                         return tk.matmul(xs[i], q.qweight, q.scales, q.zeros, q.codebook, None, n, k, GROUP, cfg)
 
                     started = time.perf_counter()
-                    before = {name: set(_compiled(fn)) for name, fn in jit_fns.items()}
+                    before = _snapshot(jit_fns)
                     try:
-                        err = _rel_err(call(0), ref)
-                        if not err < _tolerance(torch.float16):
-                            raise AssertionError(f"relative error {err:.3g}")
-                        t = time_graph(call, shape.copies, **{"replays": 3, **_timing_plan(m)})
+                        t, _ = _time_verified(call, shape.copies, xs, lambda _: ref, torch.float16,
+                                              {"replays": 3, **_timing_plan(m)})
                     except Exception as exc:  # a candidate that fails to compile or verify is recorded, not fatal
                         trials.append({"shape": label, "m": m, "config": cfg, "error": f"{type(exc).__name__}: {exc}"[:300]})
                         log(f"  {label} M={m} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
@@ -309,11 +316,9 @@ def tune(kernel, shapes=SHAPES, tokens=(1, 16, 64, 256, 1024), log: Callable[[st
                     gbps = shape.our_bytes(m) / t / 1e9
                     trial = {"shape": label, "m": m, "config": cfg, "seconds": t, "GBps": gbps,
                              "wall": time.perf_counter() - started}
-                    for name, fn in jit_fns.items():
-                        for key, ck in _compiled(fn).items():
-                            if key not in before[name]:
-                                trial[name] = {"regs": ck.n_regs, "spills": ck.n_spills, "shared": ck.metadata.shared}
-                                compiled_by_config[json.dumps(cfg, sort_keys=True)] = ck
+                    for name, ck in _new_since(jit_fns, before).items():
+                        trial[name] = {"regs": ck.n_regs, "spills": ck.n_spills, "shared": ck.metadata.shared}
+                        compiled_by_config[json.dumps(cfg, sort_keys=True)] = ck
                     trials.append(trial)
                     if cfg.get("half2"):
                         if best_half2 is None or t < best_half2[0]:
@@ -436,7 +441,7 @@ def _code_report(ck, weights_per_thread_iter: int, out_dir, name: str) -> dict:
 
 def compare_gemv(kernel, shapes=SHAPES + QWEN_SHAPES, out_dir=".", log: Callable[[str], None] = print) -> dict:
     """M = 1, int4 g128 fp16: the shipped fp32 GEMV config, every packed-fp16 candidate, and cuBLAS fp16, each
-    verified against a float64 matmul (and the best half2 config again with |x| ~ 1000) and graph-timed."""
+    verified (and the best half2 config again with |x| ~ 1000) and graph-timed."""
     tk, tuning = kernel.triton_kernels, kernel.tuning
     device = torch.device("cuda")
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -446,40 +451,24 @@ def compare_gemv(kernel, shapes=SHAPES + QWEN_SHAPES, out_dir=".", log: Callable
     jit_fns = {"old": tk._gemv_kernel, "half2": tk._gemv_h2_kernel}
     compiled_for: dict[str, tuple] = {}
     for label, k, n in shapes:
-        weight = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-        qw = kernel.quantize(weight, group_size=GROUP)
-        del weight
-        copies = rotation_count(qw.nbytes())
-        qws = [qw] + [dataclasses.replace(qw, qweight=qw.qweight.clone(), scales=qw.scales.clone())
-                      for _ in range(copies - 1)]
-        dense = kernel.dequantize(qw, torch.float32)
-        xs = _inputs(1, k, torch.float16, copies)
-        ref = xs[0].double() @ dense.double().t()
-        nbytes = qw.nbytes() + 2 * (k + n)
-        rows, tiles = qw.qweight.shape[0], qw.qweight.shape[1] // 16
-
-        def rel(out):
-            return ((out.double() - ref).norm() / ref.norm()).item()
+        shape = _Shape(kernel, k, n)
+        xs = _inputs(1, k, torch.float16, shape.copies)
+        nbytes = shape.our_bytes(1)
+        rows, tiles = shape.qw.qweight.shape[0], shape.qw.qweight.shape[1] // 16
 
         def evaluate(cfg):
             def call(i):
-                q = qws[i % copies]
+                q = shape.qws[i % shape.copies]
                 return tk.matmul(xs[i], q.qweight, q.scales, q.zeros, q.codebook, None, n, k, GROUP, cfg)
-            key = json.dumps(cfg, sort_keys=True)
-            before = {name: set(_compiled(fn)) for name, fn in jit_fns.items()}
+
+            before = _snapshot(jit_fns)
             try:
-                out = call(0)
-                err = rel(out)
-                if not (err < 1.5e-3 and not out.isnan().any()):
-                    raise AssertionError(f"relative error {err:.3g}")
-                t = time_graph(call, copies, replays=5)
+                t, err = _time_verified(call, shape.copies, xs, shape.reference, torch.float16, {"replays": 5})
             except Exception as exc:
                 log(f"  {label} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                 return {"config": cfg, "error": f"{type(exc).__name__}: {exc}"[:300]}
-            for name, fn in jit_fns.items():
-                for ck_key, ck in _compiled(fn).items():
-                    if ck_key not in before[name]:
-                        compiled_for[key] = (name, ck)
+            for name, ck in _new_since(jit_fns, before).items():
+                compiled_for[json.dumps(cfg, sort_keys=True)] = (name, ck)
             return {"config": cfg, "us": t * 1e6, "TBps": nbytes / t / 1e12, "rel_err": err}
 
         shipped = dict(tuning.select(1, n, k, device))
@@ -487,27 +476,25 @@ def compare_gemv(kernel, shapes=SHAPES + QWEN_SHAPES, out_dir=".", log: Callable
         trials = [evaluate(c) for c in _half2_candidates(rows, tiles, sm_count)]
         ok = [t for t in trials if "us" in t]
         best = min(ok, key=lambda t: t["us"]) if ok else None
-        dense16 = dense.half()
-        dcopies = [dense16] + [dense16.clone() for _ in range(rotation_count(dense16.numel() * 2) - 1)]
-        t_cublas = time_graph(lambda i: F.linear(xs[i], dcopies[i % len(dcopies)]), len(dcopies), replays=5)
-        cublas_err = rel(F.linear(xs[0], dense16))
+        dense16 = shape.dense_copies(torch.float16)
+        t_cublas, cublas_err = _time_verified(lambda i: F.linear(xs[i], dense16[i % len(dense16)]), len(dense16), xs,
+                                              shape.reference, torch.float16, {"replays": 5})
         big_err = None
         if best is not None:
             xb = xs[0] * 1000
-            refb = xb.double() @ dense.double().t()
-            outb = tk.matmul(xb, qw.qweight, qw.scales, None, None, None, n, k, GROUP, best["config"])
-            big_err = ((outb.double() - refb).norm() / refb.norm()).item()
-        row = {"shape": label, "N": n, "K": k, "bytes": nbytes, "copies": copies, "old": old, "best_half2": best,
-               "cublas_us": t_cublas * 1e6, "cublas_rel_err": cublas_err, "best_half2_rel_err_x1000": big_err,
-               "trials": trials}
-        result["shapes"].append(row)
+            q = shape.qw
+            big_err = _rel_err(tk.matmul(xb, q.qweight, q.scales, None, None, None, n, k, GROUP, best["config"]),
+                               shape.reference(xb))
+        result["shapes"].append({"shape": label, "N": n, "K": k, "bytes": nbytes, "copies": shape.copies, "old": old,
+                                 "best_half2": best, "cublas_us": t_cublas * 1e6, "cublas_rel_err": cublas_err,
+                                 "best_half2_rel_err_x1000": big_err, "trials": trials})
         if "us" in old and best:
             log(f"{label}: old {old['us']:.1f} us ({old['TBps']:.2f} TB/s, {t_cublas * 1e6 / old['us']:.2f}x cuBLAS) | "
                 f"half2 {best['us']:.1f} us ({best['TBps']:.2f} TB/s, {t_cublas * 1e6 / best['us']:.2f}x cuBLAS, "
                 f"err {best['rel_err']:.1e}, x1000 {big_err:.1e}) | cuBLAS {t_cublas * 1e6:.1f} us "
                 f"| {best['config']['block_n']}/{best['config']['tiles']}/{best['config']['split_k']}/"
                 f"{best['config']['num_warps']}/{int(best['config']['prefetch'])}")
-        del qws, dense, dense16, dcopies, xs, ref
+        del shape, dense16, xs
         torch.cuda.empty_cache()
         if label == "L3-70B gate_up" and best is not None:  # code of the largest shape's winners, both kernels
             for name, cfg in (("old", old["config"]), ("half2", best["config"])):
