@@ -193,7 +193,7 @@ def _eager_seconds(fn) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def _time(fn, copies: int) -> float:
+def graph_seconds(fn, copies: int) -> float:
     """Graph-replay seconds per call, with enough calls per graph for ~30 ms of replay."""
     calls = int(min(40, max(2 * copies, 0.03 / max(_eager_seconds(fn), 1e-6))))
     return time_graph(fn, copies, calls=calls, replays=3 if calls <= 2 * copies else 5)
@@ -216,7 +216,7 @@ def _rows_for(case: Case, name: str, copies: int, copy_bw: float) -> tuple[list[
     layer_bytes = weight_bytes + act_bytes + m.experts * m.hidden * BYTES
     loop = case.loop()
     err = _verify(case, loop)
-    times = {"ours": _time(case.ours, copies)}
+    times = {"ours": graph_seconds(case.ours, copies)}
     rows = [{"case": label, "impl": "ours", "seconds": times["ours"], "bytes": layer_bytes, "flops": case.flops(),
              "baseline": "weight-stream bound" if T <= 128 else "torch._grouped_mm",
              "verified_rel_err": err, "active_experts": case.active_experts(), "copies": copies}]
@@ -226,11 +226,11 @@ def _rows_for(case: Case, name: str, copies: int, copy_bw: float) -> tuple[list[
                      "flops": 0})
     if T >= 1024:
         pairs = T * m.top_k
-        times["grouped"] = _time(case.grouped_mm(), copies)
+        times["grouped"] = graph_seconds(case.grouped_mm(), copies)
         rows.append({"case": label, "impl": "torch._grouped_mm", "seconds": times["grouped"], "flops": case.flops(),
                      "bytes": weight_bytes + pairs * (2 * m.hidden + 3 * m.intermediate) * BYTES})
     if T <= 4096:
-        times["loop"] = _time(loop, copies)
+        times["loop"] = graph_seconds(loop, copies)
         rows.append({"case": label, "impl": "per-expert loop", "seconds": times["loop"], "bytes": layer_bytes,
                      "flops": case.flops()})
     return rows, times

@@ -20,13 +20,11 @@ from pathlib import Path
 
 import torch
 
-from .timing import time_graph, warm_clocks
+from .moe_dispatch import MODELS, Model, graph_seconds, make_layers
+from .timing import warm_clocks
 
-SHAPES = {  # name: (experts, top_k, hidden, intermediate, token counts)
-    "mixtral-8x7b": (8, 2, 4096, 14336, (1, 16, 128, 1024, 4096, 16384)),
-    "deepseek-v3": (256, 8, 7168, 2048, (1, 16, 128, 1024, 4096)),
-    "qwen3-30b-a3b": (128, 8, 2048, 768, (1, 16, 128, 1024, 4096, 16384)),
-}
+COPIES = 2  # rotated layer copies per timed problem
+
 DECODE = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages) for either decode kernel
     (16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (16, 512, 4, 3), (32, 128, 4, 6), (64, 128, 4, 4),
 ]
@@ -69,27 +67,25 @@ def grouped_config(name: str) -> dict:
 
 
 class Problem:
-    """Rotated layer copies and routed inputs for one (model, T)."""
+    """Rotated layer copies and uniformly routed inputs (distinct experts per token) for one (model, T)."""
 
-    def __init__(self, tk, shape, tokens: int, copies: int):
-        experts, self.top_k, hidden, intermediate, _ = shape
+    def __init__(self, tk, model: Model, tokens: int, copies: int):
         self.tk = tk
+        torch.manual_seed(tokens)
+        self.layers = make_layers(model, copies)
         g = torch.Generator(device="cuda").manual_seed(tokens)
-        self.layers = [(torch.empty(experts, 2 * intermediate, hidden, device="cuda", dtype=torch.bfloat16)
-                        .normal_(0, hidden**-0.5, generator=g),
-                        torch.empty(experts, hidden, intermediate, device="cuda", dtype=torch.bfloat16)
-                        .normal_(0, intermediate**-0.5, generator=g)) for _ in range(copies)]
         self.inputs = []
         for _ in range(copies):
-            x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
-            ids = torch.rand(tokens, experts, device="cuda", generator=g).argsort(1)[:, :self.top_k].int()
-            weights = torch.rand(tokens, self.top_k, device="cuda", generator=g)
+            x = torch.randn(tokens, model.hidden, device="cuda", generator=g).bfloat16()
+            ids = torch.rand(tokens, model.experts, device="cuda", generator=g).argsort(1)[:, :model.top_k].int()
+            weights = torch.rand(tokens, model.top_k, device="cuda", generator=g)
             self.inputs.append((x, weights / weights.sum(1, keepdim=True), ids, torch.empty_like(x)))
 
     def call(self, config):
         def fn(i):
             x, weights, ids, out = self.inputs[i]
-            return self.tk.experts(x, *self.layers[i], weights, ids, out, config=config)
+            layer = self.layers[i]
+            return self.tk.experts(x, layer.w_gate_up, layer.w_down, weights, ids, out, config=config)
 
         return fn
 
@@ -97,10 +93,10 @@ class Problem:
 def jobs(tk, names):
     """(model, T, label, config) for every candidate; decode down candidates use the default gate_up."""
     for name in names:
-        experts, top_k, hidden, intermediate, tokens = SHAPES[name]
-        for T in tokens:
+        m = MODELS[name]
+        for T in m.tokens:
             if T <= tk.DECODE_MAX_TOKENS:
-                base = tk.default_config(T, experts, hidden, intermediate, top_k, torch.device("cuda"))
+                base = tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, torch.device("cuda"))
                 for c in DECODE:
                     yield name, T, f"gate_up{c}", {**base, "gate_up": decode_config(c, c)["gate_up"]}
                     yield name, T, f"down{c}", {**base, "down": decode_config(c, c)["down"]}
@@ -117,22 +113,9 @@ def compile_shard(tk, names, shard: int, shards: int) -> None:
         if (name, T) not in problems:
             problems.clear()
             torch.cuda.empty_cache()
-            problems[(name, T)] = Problem(tk, SHAPES[name], T, 1)
+            problems[(name, T)] = Problem(tk, MODELS[name], T, 1)
         problems[(name, T)].call(config)(0)
     torch.cuda.synchronize()
-
-
-def measure(problem: Problem, config: dict) -> float:
-    """Graph-replay seconds per call, ~20 ms of calls per graph (an eager call sizes it)."""
-    fn = problem.call(config)
-    fn(0)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn(0)
-    end.record()
-    end.synchronize()
-    calls = int(min(40, max(4, 0.02 / (start.elapsed_time(end) / 1e3))))
-    return time_graph(fn, len(problem.inputs), calls=calls, replays=3)
 
 
 def tune(tk, names) -> list[dict]:
@@ -140,23 +123,23 @@ def tune(tk, names) -> list[dict]:
     warm_clocks()
     results = []
     for name in names:
-        experts, top_k, hidden, intermediate, tokens = SHAPES[name]
-        for T in tokens:
-            problem = Problem(tk, SHAPES[name], T, 2)
+        m = MODELS[name]
+        for T in m.tokens:
+            problem = Problem(tk, m, T, COPIES)
             if T <= tk.DECODE_MAX_TOKENS:
-                config = tk.default_config(T, experts, hidden, intermediate, top_k, torch.device("cuda"))
+                config = tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, torch.device("cuda"))
                 for kernel in ("gate_up", "down"):
                     timed = []
                     for c in DECODE:
                         trial = {**config, kernel: decode_config(c, c)[kernel]}
-                        timed.append((measure(problem, trial), trial))
+                        timed.append((graph_seconds(problem.call(trial), COPIES), trial))
                         results.append({"model": name, "T": T, "kernel": kernel, "candidate": list(c),
                                         "seconds": timed[-1][0]})
                     config = min(timed, key=lambda tc: tc[0])[1]
             else:
                 for cand in grouped_candidates(T):
                     results.append({"model": name, "T": T, "candidate": cand,
-                                    "seconds": measure(problem, grouped_config(cand))})
+                                    "seconds": graph_seconds(problem.call(grouped_config(cand)), COPIES)})
             print(name, T, f"{min(r['seconds'] for r in results if (r['model'], r['T']) == (name, T)) * 1e6:.1f} us",
                   flush=True)
             del problem
@@ -184,8 +167,8 @@ def best_configs(results: list[dict]) -> dict[str, dict[int, dict]]:
 def write_configs(results: list[dict], directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for name, per_t in best_configs(results).items():
-        experts, _, hidden, intermediate, _ = SHAPES[name]
-        path = directory / f"E={experts},H={hidden},I={intermediate},dtype=bfloat16.json"
+        m = MODELS[name]
+        path = directory / f"E={m.experts},H={m.hidden},I={m.intermediate},dtype=bfloat16.json"
         path.write_text(json.dumps({str(t): c for t, c in sorted(per_t.items())}, indent=1) + "\n")
 
 
@@ -194,7 +177,7 @@ def main() -> None:
     parser.add_argument("build", type=Path, nargs="?")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--configs-from", type=Path, help="a saved tune-results.json: only write the configs")
-    parser.add_argument("--models", nargs="*", default=list(SHAPES))
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--shard", default="0/1", help="I/N: this process's share of --compile-only")
     args = parser.parse_args()
