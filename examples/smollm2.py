@@ -34,7 +34,6 @@ import gc
 import importlib.metadata
 import importlib.util
 import json
-import logging
 import math
 import os
 import sys
@@ -50,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from hubtools.bench.timing import environment  # noqa: E402
 from hubtools.build import build_kernel  # noqa: E402
+from hubtools.e2e.norms import kernelize_rmsnorm  # noqa: E402
 from hubtools.workspace import Workspace  # noqa: E402
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -190,10 +190,8 @@ def load_kernels(source: str, org: str, build_dir: Path):
 def run_variant(name, spec, model, tokenizer, ids, rmsnorm_layer, w4a16, device, args) -> dict:
     model = copy.deepcopy(model).to(device)  # each variant starts from the loaded model
 
-    norms, replaced, forward = kernelize_norms(model, rmsnorm_layer, device)
-    log(f"  kernelize: {replaced} of {norms} RMSNorm modules now run {forward}")
-    if replaced != norms or not norms:
-        raise RuntimeError(f"kernelize replaced {replaced} of {norms} RMSNorm forwards")
+    replaced, forward = kernelize_rmsnorm(model, rmsnorm_layer, device)
+    log(f"  kernelize: all {replaced} RMSNorm modules now run {forward}")
 
     group_sizes = {}
     if spec is not None:
@@ -228,33 +226,10 @@ def run_variant(name, spec, model, tokenizer, ids, rmsnorm_layer, w4a16, device,
         "memory_kind": memory_kind,
         "weight_bytes": linear_weight_bytes(model, w4a16),
         "generated_text": text,
-        "rmsnorm_modules": norms,
+        "rmsnorm_modules": replaced,  # kernelize_rmsnorm raises unless it replaced every one
         "rmsnorm_replaced": replaced,
         "rmsnorm_forward": forward,
     }
-
-
-def kernelize_norms(model, rmsnorm_layer, device: torch.device) -> tuple[int, int, str]:
-    """Kernelize the model's RMSNorm layers; returns (RMSNorm modules, how many now run another forward,
-    that forward's qualified name)."""
-    from kernels import Mode, kernelize, use_kernel_mapping
-
-    device_type = "rocm" if device.type == "cuda" and torch.version.hip else device.type
-    # inherit_mapping=False: only this mapping, never a default one that would point at another hub repo.
-    # kernels warns about each other hub-tagged layer (SiLU, rotary_pos_emb) that it leaves as is: silenced.
-    kernels_logger = logging.getLogger("kernels")
-    level = kernels_logger.level
-    kernels_logger.setLevel(logging.ERROR)
-    try:
-        with use_kernel_mapping({"RMSNorm": {device_type: rmsnorm_layer}}, inherit_mapping=False):
-            kernelize(model, mode=Mode.INFERENCE, device=device_type)
-    finally:
-        kernels_logger.setLevel(level)
-    norms = [m for m in model.modules() if getattr(type(m), "kernel_layer_name", None) == "RMSNorm"]
-    forwards = [getattr(m.forward, "__func__", None) for m in norms]
-    replaced = [f for f, m in zip(forwards, norms) if f is not type(m).forward]
-    names = {f"{f.__module__}.{f.__qualname__}" for f in replaced}
-    return len(norms), len(replaced), ", ".join(sorted(names))
 
 
 def quantize(model, w4a16, fmt: str, group_size: int, zero_point: bool) -> dict[int, int]:

@@ -49,6 +49,7 @@ from torch import nn
 
 from ..bench.timing import environment
 from ..workspace import REPO_ROOT
+from .norms import kernelize_rmsnorm
 
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "e2e-decode-results.json"
 CPU_OUT = REPO_ROOT / "out" / "e2e-decode-cpu.json"  # git-ignored: CPU runs never overwrite GPU results
@@ -146,21 +147,6 @@ def quantize(model: nn.Module, kernels: Kernels) -> nn.Module:
                                         fmt="int4")
 
 
-def kernelize_rmsnorm(model: nn.Module, kernels: Kernels, device: str) -> int:
-    """kernelize's RMSNorm mapping onto the local rmsnorm build; returns how many norms were replaced."""
-    from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
-
-    repo = LocalLayerRepository(repo_path=kernels.rmsnorm_dir, layer_name="RMSNorm")
-    with use_kernel_mapping({"RMSNorm": {device: repo}}):
-        kernelize(model, mode=Mode.INFERENCE, device=device)
-    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    replaced = [m for m in norms if getattr(m.forward, "__func__", None) is not type(m).forward]
-    if not norms or len(replaced) != len(norms):
-        raise RuntimeError(f"kernelize replaced {len(replaced)} of {len(norms)} RMSNorm forwards "
-                           "(transformers too old for kernels 0.17?)")
-    return len(replaced)
-
-
 def apply_config(model: nn.Module, config: str, kernels: Kernels, device: str, state: dict) -> dict:
     """Bring `model` (bf16, or already partly converted as recorded in `state`) to `config`, in place."""
     info = {}
@@ -172,7 +158,10 @@ def apply_config(model: nn.Module, config: str, kernels: Kernels, device: str, s
         state["quantized"] = True
         info["quantize_seconds"] = time.perf_counter() - started
     if config == "w4a16+rmsnorm" and not state.get("kernelized"):
-        info["norms_kernelized"] = kernelize_rmsnorm(model, kernels, device)
+        from kernels import LocalLayerRepository
+
+        repository = LocalLayerRepository(repo_path=kernels.rmsnorm_dir, layer_name="RMSNorm")
+        info["norms_kernelized"], _ = kernelize_rmsnorm(model, repository, device)
         state["kernelized"] = True
     if config == "bf16" and state:
         raise ValueError("bf16 must run before the model is converted")
