@@ -34,6 +34,15 @@ def goals_summary(goal_list: list[dict]) -> str:
     return f"{sum(g['met'] for g in goal_list)} of {len(goal_list)} goals met"
 
 
+def goals_table(goal_list: list[dict]) -> list[str]:
+    """Markdown rows: each goal against its measurement, case by case."""
+    lines = ["| goal | case | measured | target | met |", "|---|---|---:|---:|---|"]
+    for g in goal_list:
+        target = ("≤ " if g.get("at_most") else "≥ ") + f"{g['target']:.3f}"
+        lines.append(f"| {g['goal']} | {g['case']} | {g['value']:.3f} | {target} | {'yes' if g['met'] else '**no**'} |")
+    return lines
+
+
 def grouped_goals(goal_list: list[dict]) -> list[dict]:
     """One line per goal name: how many cases meet it, the target(s), and the measured range."""
     by_name: dict[str, list[dict]] = defaultdict(list)
@@ -97,12 +106,8 @@ def markdown(results: dict, plot_name: str) -> str:
         "",
         f"## Goals: {goals_summary(goal_list)}",
         "",
-        "| goal | case | measured | target | met |",
-        "|---|---|---:|---:|---|",
     ]
-    for g in goal_list:
-        target = ("≤ " if g.get("at_most") else "≥ ") + f"{g['target']:.3f}"
-        lines.append(f"| {g['goal']} | {g['case']} | {g['value']:.3f} | {target} | {'yes' if g['met'] else '**no**'} |")
+    lines += goals_table(goal_list)
     with_flops = any(r.get("flops") for r in rows)
     # Where a row knows the bytes an ideal format would move (w4a16: every matrix at 4 bits plus scales),
     # bandwidth is reported against both accountings.
@@ -320,11 +325,7 @@ def decode_section(results: dict, goal_list: list[dict], plot_name: str) -> list
         lines.append(f"| {r['model']} | {r['config']} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.3f} | "
                      f"{r['speedup_vs_bf16']:.2f}x | {100 * r['fraction_of_actual_ceiling']:.1f} | "
                      f"{100 * r['fraction_of_ideal_ceiling']:.1f} | {parts} |")
-    lines += ["", f"Goals: {goals_summary(goal_list)}.", "", "| goal | case | measured | target | met |",
-              "|---|---|---:|---:|---|"]
-    for g in goal_list:
-        lines.append(f"| {g['goal']} | {g['case']} | {g['value']:.2f} | ≥ {g['target']:.2f} | "
-                     f"{'yes' if g['met'] else '**no**'} |")
+    lines += ["", f"Goals: {goals_summary(goal_list)}.", ""] + goals_table(goal_list)
     lines += ["", "How it was measured:", ""] + [f"- {k}: {v}" for k, v in results["method"].items()] + [""]
     return lines
 
