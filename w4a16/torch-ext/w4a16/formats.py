@@ -187,6 +187,25 @@ def pad_group_params(values: torch.Tensor, shape: tuple[int, int], group_size: i
     return out
 
 
+def from_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], *, group_size: int,
+               fmt: str, dtype: torch.dtype, codebook: Optional[torch.Tensor] = None,
+               perm: Optional[torch.Tensor] = None) -> "QuantizedWeight":
+    """A `QuantizedWeight` from 4-bit codes ``[N, K]`` and per-group scales (and zero points) ``[groups, N]``:
+    packs the codes and pads the group parameters into this kernel's layout."""
+    n, k = codes.shape
+    return QuantizedWeight(
+        qweight=pack(codes.to(torch.uint8)),
+        scales=pad_group_params(scales, (n, k), group_size),
+        zeros=None if zeros is None else pad_group_params(zeros.to(torch.uint8), (n, k), group_size),
+        codebook=codebook,
+        perm=perm,
+        shape=(n, k),
+        group_size=group_size,
+        fmt=fmt,
+        dtype=dtype,
+    )
+
+
 def _group_view(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     n, k = weight.shape
     return weight.view(n, 1, k) if group_size == -1 else weight.view(n, k // group_size, group_size)
@@ -231,22 +250,13 @@ def quantize(weight: torch.Tensor, *, group_size: int = 128, zero_point: bool = 
         safe = torch.where(scales == 0, 1.0, scales.float())
         zero = torch.round(-lo / safe).clamp(0, 15)
         codes = (torch.round(w / safe.unsqueeze(2)) + zero.unsqueeze(2)).clamp(0, 15)
-        zeros = pad_group_params(zero.to(torch.uint8).t(), (n, k), group_size)
+        zeros = zero.t()
     else:
         scales = (w.abs().amax(dim=2) / 7.5).to(weight.dtype)
         safe = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(2)
         codes = (torch.round(w / safe) + 8).clamp(0, 15)
-    return QuantizedWeight(
-        qweight=pack(codes.reshape(n, k).to(torch.uint8)),
-        scales=pad_group_params(scales.t(), (n, k), group_size),
-        zeros=zeros,
-        codebook=codebook,
-        perm=None,
-        shape=(n, k),
-        group_size=group_size,
-        fmt=fmt,
-        dtype=weight.dtype,
-    )
+    return from_codes(codes.reshape(n, k), scales.t(), zeros, group_size=group_size, fmt=fmt,
+                      dtype=weight.dtype, codebook=codebook)
 
 
 def save_quantized(weights, path) -> None:

@@ -18,14 +18,7 @@ from typing import Optional
 
 import torch
 
-from .formats import (
-    FLOAT_DTYPES,
-    NF4_CODEBOOK,
-    QuantizedWeight,
-    check_group_size,
-    pack,
-    pad_group_params,
-)
+from .formats import FLOAT_DTYPES, NF4_CODEBOOK, QuantizedWeight, check_group_size, from_codes
 
 _SHIFTS = tuple(range(0, 32, 4))
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column 8c + AWQ_PACK_ORDER[i]
@@ -117,20 +110,8 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
             raise ValueError(f"sym=True expects every zero point to be 8, got values {found} with "
                              f"checkpoint_format={checkpoint_format!r}: v1 checkpoints ('gptq') store 7, "
                              f"v2 ('gptq_v2') store 8; pass the matching format, or sym=False")
-        packed_zeros = None
-    else:
-        packed_zeros = pad_group_params(zeros.to(torch.uint8), (n, k), group_size)
-    return QuantizedWeight(
-        qweight=pack(codes.to(torch.uint8)),
-        scales=pad_group_params(scales, (n, k), group_size),
-        zeros=packed_zeros,
-        codebook=None,
-        perm=perm,
-        shape=(n, k),
-        group_size=group_size,
-        fmt="int4",
-        dtype=scales.dtype,
-    )
+        zeros = None
+    return from_codes(codes, scales, zeros, group_size=group_size, fmt="int4", dtype=scales.dtype, perm=perm)
 
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
@@ -149,17 +130,7 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) 
     order = torch.tensor(AWQ_UNPACK_ORDER, device=qweight.device)
     codes = _nibbles(qweight)[..., order].reshape(k, n).t()
     zeros = _nibbles(qzeros)[..., order].reshape(groups, n)
-    return QuantizedWeight(
-        qweight=pack(codes.to(torch.uint8)),
-        scales=pad_group_params(scales, (n, k), group_size),
-        zeros=pad_group_params(zeros.to(torch.uint8), (n, k), group_size),
-        codebook=None,
-        perm=None,
-        shape=(n, k),
-        group_size=group_size,
-        fmt="int4",
-        dtype=scales.dtype,
-    )
+    return from_codes(codes, scales, zeros, group_size=group_size, fmt="int4", dtype=scales.dtype)
 
 
 def from_bnb_nf4(weight: torch.Tensor, absmax: torch.Tensor, *, shape, blocksize: int = 64,
@@ -214,14 +185,5 @@ def from_bnb_nf4(weight: torch.Tensor, absmax: torch.Tensor, *, shape, blocksize
             raise ValueError(f"quant_map must have 16 entries (a 4-bit code), got {quant_map.numel()}")
         codebook = quant_map.contiguous()
     codes = torch.stack((data >> 4, data & 0xF), dim=1).reshape(n, k)
-    return QuantizedWeight(
-        qweight=pack(codes),
-        scales=pad_group_params(block_absmax.view(n, k // blocksize).t(), (n, k), blocksize),
-        zeros=None,
-        codebook=codebook,
-        perm=None,
-        shape=(n, k),
-        group_size=blocksize,
-        fmt="nf4",
-        dtype=dtype,
-    )
+    return from_codes(codes, block_absmax.view(n, k // blocksize).t(), None, group_size=blocksize, fmt="nf4",
+                      dtype=dtype, codebook=codebook)
