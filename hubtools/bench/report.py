@@ -177,10 +177,12 @@ def plot_bandwidth(ax, series: dict[str, list[dict]], bandwidth: float) -> None:
     ax.set_ylabel("achieved TB/s (bytes moved / time)")
 
 
-def _finish(fig, ax, title: str, path: Path) -> None:
-    ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=7)
-    ax.grid(True, which="both", alpha=0.3)
+def _finish(fig, titled_axes: dict, path: Path) -> None:
+    """Title, legend and grid on each axes ({axes: title}), then the PNG."""
+    for ax, title in titled_axes.items():
+        ax.set_title(title, fontsize=8)
+        ax.legend(fontsize=7)
+        ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt = _pyplot()
@@ -198,8 +200,8 @@ def kernel_plot(results: dict, path: Path) -> None:
     else:
         plot_bandwidth(ax, {impl: [r for r in rows if r["impl"] == impl] for impl in impls}, results["copy_bandwidth"])
     env = results["env"]
-    _finish(fig, ax, f"{results['name']} on {env['gpu']}, {env['date']}\n"
-                     f"torch {env['torch']}, triton {env['triton']}; {env['command']}", path)
+    _finish(fig, {ax: f"{results['name']} on {env['gpu']}, {env['date']}\n"
+                     f"torch {env['torch']}, triton {env['triton']}; {env['command']}"}, path)
 
 
 def write_kernel_page(results: dict, docs_dir: Path) -> Path:
@@ -231,11 +233,8 @@ def package_plot(all_results: list[dict], path: Path) -> None:
         plot_bandwidth(right, bw_series, first["copy_bandwidth"])
     envs = sorted({(r["env"]["gpu"], r["env"]["date"][:10], r["env"]["torch"], r["env"]["triton"]) for r in all_results})
     title = "; ".join(f"{g} {d}, torch {t}, triton {tr}" for g, d, t, tr in envs)
-    right.set_title("pure bandwidth kernels", fontsize=8)
-    right.legend(fontsize=7)
-    right.grid(True, which="both", alpha=0.3)
-    _finish(fig, left, f"triton-llm kernels (ours): {title}\npython scripts/bench.py <kernel>; python scripts/report.py",
-            path)
+    _finish(fig, {left: f"triton-llm kernels (ours): {title}\npython scripts/bench.py <kernel>; python scripts/report.py",
+                  right: "pure bandwidth kernels"}, path)
 
 
 def package_page(all_results: list[dict], extra_sections: list[str], plot_name: str,
@@ -300,8 +299,8 @@ def decode_plot(results: dict, path: Path) -> None:
     ax.set_ylabel("ms per token (batch 1, CUDA graph)")
     ax.tick_params(axis="x", labelsize=7)
     env = results["env"]
-    _finish(fig, ax, f"batch-1 decode on {env['gpu']}, {env['date']}; torch {env['torch']}, triton {env['triton']}, "
-                     f"transformers {env['transformers']}\n{env['command']}", path)
+    _finish(fig, {ax: f"batch-1 decode on {env['gpu']}, {env['date']}; torch {env['torch']}, triton {env['triton']}, "
+                     f"transformers {env['transformers']}\n{env['command']}"}, path)
 
 
 def decode_section(results: dict, goal_list: list[dict], plot_name: str) -> list[str]:
