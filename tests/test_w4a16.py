@@ -29,6 +29,12 @@ CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot an
     "dot-planes": {"kernel": "dot", "block_m": 16, "block_n": 128, "split_k": 1},
     "dot-full-swap-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
                             "full_tile": True},
+    # Operands 1 + code / 16 from integer ops, zero points through the sums of x, swapped or not; formats they
+    # do not take (groups of 32 / 64, NF4) run the dequantized planes.
+    "dot-packed-swap-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
+                              "packed": True},
+    "dot-packed-scaled": {"kernel": "dot", "block_m": 16, "block_n": 128, "split_k": 1, "packed": True,
+                          "scale_weights": True},
     "dequant-chunks": {"kernel": "dequant", "chunk_n": 128},
     # The packed-fp16 GEMV, emulated in the interpreter (no inline PTX there): its tiles, masks, split-K and
     # zero points; formats and dtypes it does not take (groups of 32 / 64, NF4, bf16) run the portable GEMV.

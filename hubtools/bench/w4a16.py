@@ -234,19 +234,20 @@ def _gemv_candidates() -> list[dict]:
 
 
 def _dot_candidates(m: int) -> list[dict]:
+    """Packed-operand dot tiles (`packed`: integer-op dequantization; formats it does not take run the
+    dequantized planes on the same tiles), from the H200 probes of 2026-12-01: weight rows as the MMA's M
+    (swap_ab), 4 warps up to M = 256; at M = 1024 256-token tiles with the scale on the operand."""
     if m <= 16:
-        shapes = [(16, 128, True, 4, 3, False), (16, 64, False, 4, 4, False), (16, 64, True, 4, 3, False),
-                  (16, 128, True, 4, 3, True), (16, 64, True, 4, 3, True), (16, 64, False, 4, 3, True),
-                  (16, 128, True, 8, 3, True)]  # (block_m, block_n, swap_ab, num_warps, num_stages, full_tile)
+        shapes = [(16, 64, 4, 3, False), (16, 128, 8, 3, False), (16, 32, 4, 3, False)]
     elif m <= 64:
-        shapes = [(64, 128, True, 8, 3, False), (64, 128, True, 8, 3, True), (64, 64, True, 4, 3, True),
-                  (64, 128, False, 8, 3, True)]
+        shapes = [(64, 128, 4, 3, False), (64, 64, 4, 3, False), (64, 128, 8, 3, True)]
     elif m <= 256:
-        shapes = [(128, 128, False, 8, 3, True), (64, 128, True, 8, 3, True)]
+        shapes = [(128, 64, 4, 3, False), (64, 128, 4, 3, False), (128, 128, 8, 3, False), (256, 128, 8, 3, True)]
     else:
-        shapes = []
-    return [{"kernel": "dot", "block_m": bm, "block_n": bn, "swap_ab": swap, "num_warps": w, "num_stages": st,
-             "full_tile": ft} for bm, bn, swap, w, st, ft in shapes]
+        shapes = [(256, 128, 8, 3, True), (128, 256, 8, 3, True)]
+    # (block_m, block_n, num_warps, num_stages, scale_weights)
+    return [{"kernel": "dot", "block_m": bm, "block_n": bn, "swap_ab": True, "num_warps": w, "num_stages": st,
+             "full_tile": True, "packed": True, "scale_weights": sw} for bm, bn, w, st, sw in shapes]
 
 
 def _compiled(jit_fn) -> dict:
@@ -269,7 +270,7 @@ def _new_since(jit_fns: dict, before: dict) -> dict:
 
 def _splits(cfg: dict, m: int, n_rows: int, tiles: int, sm_count: int) -> list[int]:
     """Split-K factors worth timing: from filling one wave up to ~4 waves, keeping >= 4 K-tiles per split."""
-    if cfg["kernel"] == "gemv" or m > 64:
+    if cfg["kernel"] != "dot" or m > 256:
         return [cfg.get("split_k", 1)]
     programs = -(-m // cfg["block_m"]) * (n_rows // cfg["block_n"])
     return [s for s in (1, 2, 4, 8) if (s == 1 or programs * s <= 4 * sm_count) and tiles // s >= 4]

@@ -4,7 +4,9 @@ bucket) and a heuristic for shapes and GPUs without one. Nothing is tuned at imp
 A config is a dict: ``{"kernel": "gemv", "block_n", "tiles", "split_k", "num_warps", "num_stages", "prefetch",
 "half2"}`` (``half2``: run the packed-fp16 GEMV where it applies, see ``triton_kernels.half2_supported``;
 ``True`` with the same tiles, or a dict of its own ``block_n`` / ``tiles`` / ``split_k`` / ... overrides),
-``{"kernel": "dot", "block_m", "block_n", "split_k", "swap_ab", "num_warps", "num_stages"}`` or
+``{"kernel": "dot", "block_m", "block_n", "split_k", "swap_ab", "full_tile", "packed", "scale_weights",
+"num_warps", "num_stages"}`` (``packed``: operands made by integer ops where the format allows, see
+``triton_kernels._unit_pair``; ``scale_weights``: group scales on the operand rather than the accumulator) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
 """
 
@@ -51,7 +53,8 @@ def _bucket(entry: dict, m: int) -> dict:
 
 def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = None) -> dict:
     """A config from the problem size alone, shaped like the H200 sweep's winners: enough programs to fill
-    the GPU (split-K when N is small), one K=128 dot per tile with the weight rows as the MMA's M."""
+    the GPU (split-K when N is small), one K=128 dot per tile with the weight rows as the MMA's M, packed
+    operands, 4 warps."""
     limits = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     rows = round_up(n, PAD_N)
     tiles = round_up(k, TILE_K) // TILE_K
@@ -70,11 +73,11 @@ def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = N
                 "half2": {"block_n": 8, "tiles": 8, "split_k": h2_split, "num_warps": 4, "prefetch": False}}
     if m >= limits["dequant_min_m"]:
         return {"kernel": "dequant", "chunk_n": 4096 if m >= 1024 else 0}
-    block_m, block_n, warps = (16, 128, 8) if m <= 16 else (64, 64, 4)
+    block_m, block_n = (16, 64) if m <= 16 else (64, 128) if m <= 64 else (128, 64)
     programs = -(-m // block_m) * (rows // block_n)
     split = 1 if programs >= sm_count else min(-(-2 * sm_count // programs), max(1, tiles // 4))
     return {"kernel": "dot", "block_m": block_m, "block_n": block_n, "split_k": split, "swap_ab": True,
-            "full_tile": True, "num_warps": warps, "num_stages": 3}
+            "full_tile": True, "packed": True, "num_warps": 4, "num_stages": 3}
 
 
 def select(m: int, n: int, k: int, device: torch.device) -> dict:
