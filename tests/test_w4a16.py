@@ -166,14 +166,34 @@ def _check_launch(k, fmt, zero_point, group_size, kk, config, dtype, m):
 
 
 def test_half2_gemv_applies_where_supported(k):
-    """fp16 int4 with tile-sized (or per-channel) groups takes the packed-fp16 GEMV; the rest does not."""
+    """fp16 / bf16 int4 with tile-sized (or per-channel) groups takes the packed-fp16 GEMV; the rest does not."""
     tk = k.triton_kernels
     x16, x_bf = torch.zeros(1, 256, dtype=torch.float16), torch.zeros(1, 256, dtype=torch.bfloat16)
-    assert all(tk.half2_supported(x16, None, g) for g in (128, 256, -1))
-    assert not tk.half2_supported(x_bf, None, 128)
+    assert all(tk.half2_supported(x, None, g) for g in (128, 256, -1) for x in (x16, x_bf))
+    assert not tk.half2_supported(x16.float(), None, 128)
     assert not tk.half2_supported(x16, None, 64) and not tk.half2_supported(x16, None, 32)
     assert not tk.half2_supported(x16, torch.zeros(16), 128)
     assert k.tuning.heuristic(1, 4096, 4096, 132)["half2"]
+
+
+def test_bf16_activations_to_fp16_per_tile(k):
+    """The bf16 -> fp16 pre-pass of the packed GEMV: tiles whose largest |x| spans 1e-30 to 1e30 (beyond fp16's
+    range either way) come out exact after undoing each tile's power-of-two scale, and the K tail is ignored."""
+    tk = k.triton_kernels
+    kk = 5 * 128 + 40
+    x = torch.randn(2, kk, generator=_gen(15))
+    for t, magnitude in enumerate([1e-30, 1e-3, 1.0, 3e4, 1e30, 0.0]):
+        x[:, t * 128:(t + 1) * 128] *= magnitude
+    x = x.to(torch.bfloat16)
+    tiles = -(-kk // 128)
+    x16 = torch.full((2, kk), float("nan"), dtype=torch.float16)
+    xs = torch.full((2, tiles), float("nan"))
+    tk._x_to_fp16_kernel[(2, 1)](x, x16, xs, kk, tiles, x.stride(0), x16.stride(0), TILES=8)
+    assert torch.isfinite(x16).all() and torch.isfinite(xs).all()
+    largest = x16.float().abs().view(2, -1)[:, :5 * 128].view(2, 5, 128).amax(-1)
+    assert ((largest >= 1024) & (largest < 2048)).all()
+    restored = x16.float() * xs.repeat_interleave(128, dim=1)[:, :kk]
+    assert torch.equal(restored, x.float())
 
 
 @pytest.mark.parametrize("zero_point", [False, True])

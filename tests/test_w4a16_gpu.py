@@ -104,22 +104,24 @@ HALF2_FORMATS = [(False, 128), (True, 128), (False, -1), (True, -1), (True, 256)
 
 @pytest.mark.parametrize("zero_point,group_size", HALF2_FORMATS)
 @pytest.mark.parametrize("split_k,prefetch", [(1, False), (3, True)])
-@pytest.mark.parametrize("x_scale", [1.0, 3000.0])
-def test_half2_gemv_vs_float64(k, zero_point, group_size, split_k, prefetch, x_scale):
+@pytest.mark.parametrize("dtype,x_scale", [(torch.float16, 1.0), (torch.float16, 3000.0), (torch.bfloat16, 1.0),
+                                           (torch.bfloat16, 1e8)])
+def test_half2_gemv_vs_float64(k, zero_point, group_size, split_k, prefetch, dtype, x_scale):
     """The packed-fp16 GEMV (inline PTX) on poisoned outputs, against float64. Its fp16 products and 8-term
-    partial sums add ~2^-11 relative rounding on top of the fp16 output's own, so TOL (1.5e-3) still holds;
-    x_scale 3000 checks that activations in the thousands neither overflow nor lose accuracy."""
+    partial sums add ~2^-11 relative rounding on top of the output's own, so TOL still holds; fp16 x in
+    the thousands neither overflows nor loses accuracy, and bf16 x (made fp16 per tile by a pre-pass) works
+    beyond fp16's range."""
     n, kk = 3000, 5120 if group_size != -1 else 5000  # per-channel: K not a multiple of the 128 tile
-    qw = k.quantize(_weight(n, kk, torch.float16, seed=4), group_size=group_size, zero_point=zero_point)
-    x = torch.randn(2, kk, device="cuda", dtype=torch.float16) * x_scale
+    qw = k.quantize(_weight(n, kk, dtype, seed=4), group_size=group_size, zero_point=zero_point)
+    x = (torch.randn(2, kk, device="cuda") * x_scale).to(dtype)
     assert k.triton_kernels.half2_supported(x, None, group_size)
-    bias = torch.randn(n, device="cuda", dtype=torch.float16)
+    bias = torch.randn(n, device="cuda", dtype=dtype) * x_scale
     config = {"kernel": "gemv", "block_n": 8, "tiles": 8, "split_k": split_k, "num_warps": 4, "prefetch": prefetch,
               "half2": True}
-    out = torch.full((2, n), float("nan"), device="cuda", dtype=torch.float16)
+    out = torch.full((2, n), float("nan"), device="cuda", dtype=dtype)
     k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, group_size, config, out=out)
     assert not out.isnan().any()
-    assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[torch.float16]
+    assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[dtype]
 
 
 PACKED_FORMATS = [(False, 128), (True, 128), (False, -1), (True, -1), (True, 256)]  # (zero_point, group_size)

@@ -259,17 +259,34 @@ def _h2_x_pair(x_row, k0, K, J: tl.constexpr, MASK_X: tl.constexpr):
 
 
 @triton.jit
+def _x_to_fp16_kernel(x_ptr, xh_ptr, xs_ptr, K, num_tiles, stride_xm, stride_hm, TILES: tl.constexpr):
+    """bf16 activations as fp16 for `_gemv_h2_kernel`: each 128-column tile times a power of two that puts its
+    largest |x| in [2^10, 2^11), so bf16's 8-bit significands convert exactly and the packed-fp16 products
+    and partial sums stay finite (see _H2_ASM); ``xs`` gets the inverse scale per (row, tile)."""
+    m = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1) * TILES + tl.arange(0, TILES)
+    cols = tile[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + m * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+    exponent = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased, of max |x|
+    # 2^(137 - exponent) as fp32 bits; clamped to a normal float (all-zero or tiny tiles get 2^127)
+    scale = (tl.minimum(tl.maximum(264 - exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
+    tl.store(xh_ptr + m * stride_hm + cols, (x * scale[:, None]).to(tl.float16), mask=cols < K)
+    tl.store(xs_ptr + m * num_tiles + tile, 1.0 / scale, mask=tile < num_tiles)
+
+
+@triton.jit
 def _gemv_h2_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     N, K, num_tiles, tiles_per_split, group_size,
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
-    HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, X_SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
     """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
-    `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations.
+    `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
+    bf16 activations made fp16 by `_x_to_fp16_kernel`, with each tile's scale undone from ``xs``).
 
     Every (row, tile, word) element keeps its own fp32 accumulator (one FFMA with its group's scale per
     word); the reductions over words and tiles happen once, after the K loop.
@@ -324,9 +341,14 @@ def _gemv_h2_kernel(
         if MASK_TILES:
             part = tl.where(live[None, :, None], part, 0.0)
         if PER_CHANNEL:
-            acc += part
+            s = tl.full([BLOCK_N, TILES], 1.0, tl.float32)
         else:
             s = tl.load(s_ptr + param_offs, mask=live[None, :], other=0.0).to(tl.float32)
+        if X_SCALED:
+            s = s * tl.load(xs_ptr + m * num_tiles + x_tile, mask=x_tile < num_tiles, other=0.0)[None, :]
+        if PER_CHANNEL and not X_SCALED:
+            acc += part
+        else:
             acc += part * s[:, :, None]
     result = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
     if PER_CHANNEL:
@@ -615,10 +637,11 @@ def _interpreting() -> bool:
 
 
 def half2_supported(x, codebook, group_size) -> bool:
-    """Whether the packed-fp16 GEMV (`_gemv_h2_kernel`) applies: fp16 activations, int4 with scale groups of
-    whole 128-column tiles (or per channel), and an NVIDIA GPU (inline PTX) or the interpreter (emulated).
-    Elsewhere (bf16, NF4, groups of 32 / 64, ROCm, XPU) the GEMV config runs the portable `_gemv_kernel`."""
-    if x.dtype != torch.float16 or not packed_dot_supported(codebook, group_size):
+    """Whether the packed-fp16 GEMV (`_gemv_h2_kernel`) applies: fp16 activations (bf16 after
+    `_x_to_fp16_kernel`), int4 with scale groups of whole 128-column tiles (or per channel), and an NVIDIA GPU
+    (inline PTX) or the interpreter (emulated). Elsewhere (NF4, groups of 32 / 64, ROCm, XPU) the GEMV config
+    runs the portable `_gemv_kernel`."""
+    if x.dtype not in (torch.float16, torch.bfloat16) or not packed_dot_supported(codebook, group_size):
         return False
     return _interpreting() or (x.device.type == "cuda" and torch.version.hip is None)
 
@@ -672,11 +695,19 @@ def _launch_gemv(x, qweight, scales, zeros, codebook, bias, out, n, k, group_siz
     )
     group = qweight.shape[1] * 8 if group_size == -1 else group_size
     if use_half2:
+        x_scales = scales  # unread unless X_SCALED
+        if x.dtype == torch.bfloat16:
+            x16 = torch.empty(m, k, dtype=torch.float16, device=x.device)
+            x_scales = torch.empty(m, num_tiles, dtype=torch.float32, device=x.device)
+            _x_to_fp16_kernel[(m, triton.cdiv(num_tiles, 8))](x, x16, x_scales, k, num_tiles, x.stride(0),
+                                                               x16.stride(0), TILES=8, num_warps=4)
+            x = x16
         _gemv_h2_kernel[grid](
-            x, qweight, scales, _or(zeros, scales), _or(bias, scales), target,
+            x, x_scales, qweight, scales, _or(zeros, scales), _or(bias, scales), target,
             n, k, num_tiles, per_split, group,
             x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
-            HAS_ZERO=zeros is not None, PER_CHANNEL=group_size == -1, EMULATE=_interpreting(),
+            HAS_ZERO=zeros is not None, PER_CHANNEL=group_size == -1, X_SCALED=x_scales is not scales,
+            EMULATE=_interpreting(),
             **dict(common, MASK_X=k % 128 != 0),  # masked tiles mask x per tile (MASK_TILES)
         )
     else:
