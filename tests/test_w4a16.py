@@ -166,13 +166,16 @@ def _check_launch(k, fmt, zero_point, group_size, kk, config, dtype, m):
 
 
 def test_half2_gemv_applies_where_supported(k):
-    """fp16 / bf16 int4 with tile-sized (or per-channel) groups takes the packed-fp16 GEMV; the rest does not."""
+    """fp16 / bf16, int4 or NF4 with tile-sized (or per-channel; NF4 also 64-column) groups takes the
+    packed-fp16 GEMV; the rest does not."""
     tk = k.triton_kernels
     x16, x_bf = torch.zeros(1, 256, dtype=torch.float16), torch.zeros(1, 256, dtype=torch.bfloat16)
+    codebook = torch.zeros(16)
     assert all(tk.half2_supported(x, None, g) for g in (128, 256, -1) for x in (x16, x_bf))
+    assert all(tk.half2_supported(x16, codebook, g) for g in (64, 128, -1))
     assert not tk.half2_supported(x16.float(), None, 128)
     assert not tk.half2_supported(x16, None, 64) and not tk.half2_supported(x16, None, 32)
-    assert not tk.half2_supported(x16, torch.zeros(16), 128)
+    assert not tk.half2_supported(x16, codebook, 32)
     assert k.tuning.heuristic(1, 4096, 4096, 132)["half2"]
 
 

@@ -148,6 +148,22 @@ def test_packed_dot_vs_float64(k, zero_point, group_size, dtype, block_m, block_
     assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("group_size", [64, 128, -1])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half2_gemv_nf4_vs_float64(k, group_size, dtype):
+    """NF4 through the packed-fp16 GEMV (codebook looked up with PRMT byte permutes, inline PTX), with groups
+    of 64 (each half of a 128-column tile scaled apart), on poisoned outputs against float64."""
+    n, kk = 3000, 5120
+    qw = k.quantize(_weight(n, kk, dtype, seed=8), group_size=group_size, fmt="nf4")
+    x = torch.randn(2, kk, device="cuda", dtype=dtype)
+    assert k.triton_kernels.half2_supported(x, qw.codebook, group_size)
+    config = {"kernel": "gemv", "block_n": 8, "tiles": 8, "split_k": 3, "num_warps": 4, "half2": True}
+    out = torch.full((2, n), float("nan"), device="cuda", dtype=dtype)
+    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, None, n, kk, group_size, config, out=out)
+    assert not out.isnan().any()
+    assert _rel_err(out, _reference(k, x, qw)) < TOL[dtype]
+
+
 def test_act_order_gptq_full_size(k):
     """A GPTQ act-order weight: the matmul permutes x and matches the dequantized weight."""
     n, kk, g = 4096, 4096, 128

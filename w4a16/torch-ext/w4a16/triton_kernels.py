@@ -242,11 +242,106 @@ def _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
                                          dtype=tl.float32, is_pure=True, pack=1)
 
 
+# NF4 in the packed-fp16 GEMV: a byte-permute (PRMT) looks up 4 bytes at once in an 8-byte table, so the 16
+# codebook values / 16, as fp16, live in 8 registers: their low bytes (entries 0-3, 4-7, 8-11, 12-15) and their
+# high bytes. Per 4 nibbles: 4 PRMT look up both bytes in both table halves, 1 PRMT turns bit 3 of each nibble
+# into a byte mask (selector 0xC replicates the sign of a 0x80 byte), 2 LOP3 pick the half, 2 PRMT interleave
+# low and high bytes into the fp16 pairs of nibbles (0, 1) and (2, 3). Nibbles 0-3 and 4-7 of a word are the
+# tile's columns 0-63 and 64-127, so each half is summed apart (scale groups of 64 work).
+_NF4_HALF_ASM = """
+and.b32 s, W, 0x7777;
+shr.b32 b, W, 3;
+and.b32 b, b, 0x1111;
+mul.lo.u32 b, b, 12;
+prmt.b32 m, 0, k80, b;
+prmt.b32 la, $3, $4, s;
+prmt.b32 lb, $5, $6, s;
+prmt.b32 ha, $7, $8, s;
+prmt.b32 hb, $9, $10, s;
+lop3.b32 lo, la, lb, m, 0xD8;
+lop3.b32 hi, ha, hb, m, 0xD8;
+prmt.b32 p, lo, hi, 0x5140;
+prmt.b32 q, lo, hi, 0x7362;
+mul.rn.f16x2 t, p, XA;
+fma.rn.f16x2 t, q, XB, t;
+mov.b32 {l16, h16}, t;
+add.rn.f16 l16, l16, h16;
+cvt.f32.f16 OUT, l16;
+"""
+_NF4_ASM = tl.constexpr(
+    "{\n.reg .b32 s, b, m, la, lb, ha, hb, lo, hi, p, q, t, k80, w2;\n.reg .b16 l16, h16;\n"
+    "mov.b32 k80, 0x80808080;\n"
+    + _NF4_HALF_ASM.replace("W", "$2").replace("XA", "$11").replace("XB", "$12").replace("OUT", "$0")
+    + "shr.b32 w2, $2, 16;\n"
+    + _NF4_HALF_ASM.replace("W", "w2").replace("XA", "$13").replace("XB", "$14").replace("OUT", "$1")
+    + "}")
+
+
 @triton.jit
-def _h2_x_pair(x_row, k0, K, J: tl.constexpr, MASK_X: tl.constexpr):
-    """x at K-columns k0 + 16 J (low half) and k0 + 16 J + 64 (high half), packed: the operand of plane pair J."""
-    ka = k0 + J * 16
-    kb = ka + 64
+def _nf4_byte(cb_ptr, i: tl.constexpr, HIGH: tl.constexpr):
+    """Byte HIGH of codebook entry i / 16 as fp16, in bits 8 (i % 4) and up."""
+    bits = (tl.load(cb_ptr + i) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    if HIGH:
+        bits = bits >> 8
+    return (bits & 0xFF) << (8 * (i % 4))
+
+
+@triton.jit
+def _nf4_quad(cb_ptr, q: tl.constexpr, HIGH: tl.constexpr):
+    """One PRMT table register: byte HIGH of entries 4q .. 4q + 3."""
+    return (_nf4_byte(cb_ptr, 4 * q, HIGH) | _nf4_byte(cb_ptr, 4 * q + 1, HIGH) | _nf4_byte(cb_ptr, 4 * q + 2, HIGH)
+            | _nf4_byte(cb_ptr, 4 * q + 3, HIGH))
+
+
+@triton.jit
+def _nf4_tables(cb_ptr):
+    """The 8 PRMT table registers of the codebook / 16 as fp16 (see _NF4_ASM): low bytes of entries 0-3,
+    4-7, 8-11, 12-15, then high bytes. Built from scalar loads, which ptxas keeps in ordinary registers (built
+    with a reduction they sat in uniform registers and every PRMT copied them out first)."""
+    return (_nf4_quad(cb_ptr, 0, False), _nf4_quad(cb_ptr, 1, False), _nf4_quad(cb_ptr, 2, False),
+            _nf4_quad(cb_ptr, 3, False), _nf4_quad(cb_ptr, 0, True), _nf4_quad(cb_ptr, 1, True),
+            _nf4_quad(cb_ptr, 2, True), _nf4_quad(cb_ptr, 3, True))
+
+
+@triton.jit
+def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
+    """sum_j codebook[code_j] / 16 * x_j over nibbles 0-3 and over 4-7 of each word, as two fp32 tensors.
+    xp_J packs the x of nibbles 2J (low half) and 2J + 1. EMULATE computes the same in fp32."""
+    if EMULATE:
+        lo = tl.zeros(w.shape, dtype=tl.float32)
+        hi = tl.zeros(w.shape, dtype=tl.float32)
+        for j in tl.static_range(4):
+            if j == 0:
+                xp = xp0
+            elif j == 1:
+                xp = xp1
+            elif j == 2:
+                xp = xp2
+            else:
+                xp = xp3
+            even = tl.load(cb_ptr + ((w >> (8 * j)) & 0xF)) * 0.0625
+            odd = tl.load(cb_ptr + ((w >> (8 * j + 4)) & 0xF)) * 0.0625
+            term = even * _h2_low(xp) + odd * _h2_low(xp >> 16)
+            if j < 2:
+                lo += term
+            else:
+                hi += term
+        return lo, hi
+    else:
+        l0, l1, l2, l3, h0, h1, h2, h3 = tables
+        return tl.inline_asm_elementwise(
+            _NF4_ASM, "=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [w, tl.broadcast_to(l0, w.shape), tl.broadcast_to(l1, w.shape), tl.broadcast_to(l2, w.shape),
+             tl.broadcast_to(l3, w.shape), tl.broadcast_to(h0, w.shape), tl.broadcast_to(h1, w.shape),
+             tl.broadcast_to(h2, w.shape), tl.broadcast_to(h3, w.shape), xp0, xp1, xp2, xp3],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _h2_x_pair(x_row, k0, K, JA: tl.constexpr, JB: tl.constexpr, MASK_X: tl.constexpr):
+    """x at K-columns k0 + 16 JA (low half) and k0 + 16 JB (high half), packed: the operand of planes JA, JB."""
+    ka = k0 + JA * 16
+    kb = k0 + JB * 16
     if MASK_X:
         xa = tl.load(x_row + ka, mask=ka < K, other=0.0)
         xb = tl.load(x_row + kb, mask=kb < K, other=0.0)
@@ -276,17 +371,19 @@ def _x_to_fp16_kernel(x_ptr, xh_ptr, xs_ptr, K, num_tiles, stride_xm, stride_hm,
 
 @triton.jit
 def _gemv_h2_kernel(
-    x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
     N, K, num_tiles, tiles_per_split, group_size,
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
-    HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, X_SCALED: tl.constexpr,
+    HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, X_SCALED: tl.constexpr, NF4: tl.constexpr,
+    HALF_GROUPS: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
     """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
     `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
-    bf16 activations made fp16 by `_x_to_fp16_kernel`, with each tile's scale undone from ``xs``).
+    bf16 activations made fp16 by `_x_to_fp16_kernel`, with each tile's scale undone from ``xs``). NF4
+    looks the codebook up with `_NF4_ASM` instead, with groups of 64 too (HALF_GROUPS).
 
     Every (row, tile, word) element keeps its own fp32 accumulator (one FFMA with its group's scale per
     word); the reductions over words and tiles happen once, after the K loop.
@@ -307,6 +404,9 @@ def _gemv_h2_kernel(
         scale = tl.load(s_ptr + rows).to(tl.float32)
         if HAS_ZERO:
             zlo, zhi = _h2_zero_pairs(tl.load(z_ptr + rows).to(tl.float32)[:, None, None] + acc)
+    tables = 0
+    if NF4 and not EMULATE:
+        tables = _nf4_tables(cb_ptr)
     if PREFETCH:
         w_next = _word_tiles(w_ptrs, first + tile_ar, (first + tile_ar < num_tiles) & (tile_ar < tiles_per_split), True)
     for it in tl.range(0, tiles_per_split, TILES, num_stages=STAGES):
@@ -328,25 +428,43 @@ def _gemv_h2_kernel(
         else:
             x_tile = tile
         k0 = tl.broadcast_to(x_tile[None, :, None] * 128 + col[None, None, :], (BLOCK_N, TILES, _WORDS))
-        xp0 = _h2_x_pair(x_row, k0, K, 0, MASK_X)
-        xp1 = _h2_x_pair(x_row, k0, K, 1, MASK_X)
-        xp2 = _h2_x_pair(x_row, k0, K, 2, MASK_X)
-        xp3 = _h2_x_pair(x_row, k0, K, 3, MASK_X)
+        if NF4:  # plane pairs (0, 1), (2, 3), (4, 5), (6, 7)
+            xp0 = _h2_x_pair(x_row, k0, K, 0, 1, MASK_X)
+            xp1 = _h2_x_pair(x_row, k0, K, 2, 3, MASK_X)
+            xp2 = _h2_x_pair(x_row, k0, K, 4, 5, MASK_X)
+            xp3 = _h2_x_pair(x_row, k0, K, 6, 7, MASK_X)
+        else:  # plane pairs (j, j + 4)
+            xp0 = _h2_x_pair(x_row, k0, K, 0, 4, MASK_X)
+            xp1 = _h2_x_pair(x_row, k0, K, 1, 5, MASK_X)
+            xp2 = _h2_x_pair(x_row, k0, K, 2, 6, MASK_X)
+            xp3 = _h2_x_pair(x_row, k0, K, 3, 7, MASK_X)
         if not PER_CHANNEL:
             param_offs = ((tile * 128) // group_size)[None, :].to(tl.int64) * stride_sg + rows[:, None]
             if HAS_ZERO:
                 zero = tl.load(z_ptr + param_offs, mask=live[None, :], other=0).to(tl.float32)[:, :, None]
                 zlo, zhi = _h2_zero_pairs(zero + tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32))
-        part = _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE)
-        if MASK_TILES:
-            part = tl.where(live[None, :, None], part, 0.0)
         if PER_CHANNEL:
             s = tl.full([BLOCK_N, TILES], 1.0, tl.float32)
         else:
             s = tl.load(s_ptr + param_offs, mask=live[None, :], other=0.0).to(tl.float32)
         if X_SCALED:
-            s = s * tl.load(xs_ptr + m * num_tiles + x_tile, mask=x_tile < num_tiles, other=0.0)[None, :]
-        if PER_CHANNEL and not X_SCALED:
+            x_scale = tl.load(xs_ptr + m * num_tiles + x_tile, mask=x_tile < num_tiles, other=0.0)[None, :]
+            s = s * x_scale
+        if NF4:
+            part, part_hi = _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, EMULATE)
+            if HALF_GROUPS:  # columns 64-127 of the tile are the next scale group
+                s_hi = tl.load(s_ptr + param_offs + stride_sg, mask=live[None, :], other=0.0).to(tl.float32)
+                if X_SCALED:
+                    s_hi = s_hi * x_scale
+                part = part * s[:, :, None] + part_hi * s_hi[:, :, None]
+                s = tl.full([BLOCK_N, TILES], 1.0, tl.float32)
+            else:
+                part = part + part_hi
+        else:
+            part = _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE)
+        if MASK_TILES:
+            part = tl.where(live[None, :, None], part, 0.0)
+        if PER_CHANNEL and not X_SCALED or HALF_GROUPS:
             acc += part
         else:
             acc += part * s[:, :, None]
@@ -638,10 +756,11 @@ def _interpreting() -> bool:
 
 def half2_supported(x, codebook, group_size) -> bool:
     """Whether the packed-fp16 GEMV (`_gemv_h2_kernel`) applies: fp16 activations (bf16 after
-    `_x_to_fp16_kernel`), int4 with scale groups of whole 128-column tiles (or per channel), and an NVIDIA GPU
-    (inline PTX) or the interpreter (emulated). Elsewhere (NF4, groups of 32 / 64, ROCm, XPU) the GEMV config
-    runs the portable `_gemv_kernel`."""
-    if x.dtype not in (torch.float16, torch.bfloat16) or not packed_dot_supported(codebook, group_size):
+    `_x_to_fp16_kernel`), int4 or NF4 with scale groups of whole 128-column tiles or per channel (NF4: also
+    64), and an NVIDIA GPU (inline PTX) or the interpreter (emulated). Elsewhere (groups of 32, int4 groups of
+    64, ROCm, XPU) the GEMV config runs the portable `_gemv_kernel`."""
+    groups_ok = group_size == -1 or group_size % 128 == 0 or (codebook is not None and group_size == 64)
+    if x.dtype not in (torch.float16, torch.bfloat16) or not groups_ok:
         return False
     return _interpreting() or (x.device.type == "cuda" and torch.version.hip is None)
 
@@ -703,10 +822,11 @@ def _launch_gemv(x, qweight, scales, zeros, codebook, bias, out, n, k, group_siz
                                                                x16.stride(0), TILES=8, num_warps=4)
             x = x16
         _gemv_h2_kernel[grid](
-            x, x_scales, qweight, scales, _or(zeros, scales), _or(bias, scales), target,
+            x, x_scales, qweight, scales, _or(zeros, scales), _or(codebook, scales), _or(bias, scales), target,
             n, k, num_tiles, per_split, group,
             x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
             HAS_ZERO=zeros is not None, PER_CHANNEL=group_size == -1, X_SCALED=x_scales is not scales,
+            NF4=codebook is not None, HALF_GROUPS=group_size == 64,
             EMULATE=_interpreting(),
             **dict(common, MASK_X=k % 128 != 0),  # masked tiles mask x per tile (MASK_TILES)
         )
