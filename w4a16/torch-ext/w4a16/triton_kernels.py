@@ -216,6 +216,20 @@ def _h2_zero_pairs(zero):
 
 
 @triton.jit
+def _pick4(J: tl.constexpr, a, b, c, d):
+    """Operand J of four (a choice made at compile time, for unrolled loops over packed x pairs)."""
+    if J == 0:
+        picked = a
+    elif J == 1:
+        picked = b
+    elif J == 2:
+        picked = c
+    else:
+        picked = d
+    return picked
+
+
+@triton.jit
 def _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
     """sum_j (code_j - zero) / 16 * x_j over the 8 nibbles of each word, as fp32 (see _H2_ASM).
 
@@ -225,14 +239,7 @@ def _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
         zero16 = -64.0 - _h2_low(zlo)  # z / 16
         part = tl.zeros(w.shape, dtype=tl.float32)
         for j in tl.static_range(4):
-            if j == 0:
-                xp = xp0
-            elif j == 1:
-                xp = xp1
-            elif j == 2:
-                xp = xp2
-            else:
-                xp = xp3
+            xp = _pick4(j, xp0, xp1, xp2, xp3)
             lo = ((w >> (4 * j)) & 0xF).to(tl.float32) * 0.0625 - zero16
             hi = ((w >> (16 + 4 * j)) & 0xF).to(tl.float32) * 0.0625 - zero16
             part += lo * _h2_low(xp) + hi * _h2_low(xp >> 16)
@@ -311,14 +318,7 @@ def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
         lo = tl.zeros(w.shape, dtype=tl.float32)
         hi = tl.zeros(w.shape, dtype=tl.float32)
         for j in tl.static_range(4):
-            if j == 0:
-                xp = xp0
-            elif j == 1:
-                xp = xp1
-            elif j == 2:
-                xp = xp2
-            else:
-                xp = xp3
+            xp = _pick4(j, xp0, xp1, xp2, xp3)
             even = tl.load(cb_ptr + ((w >> (8 * j)) & 0xF)) * 0.0625
             odd = tl.load(cb_ptr + ((w >> (8 * j + 4)) & 0xF)) * 0.0625
             term = even * _h2_low(xp) + odd * _h2_low(xp >> 16)
