@@ -1,15 +1,12 @@
 """The quantized-weight format: its layout, quantize / dequantize helpers, the NF4 codebook, save / load.
 
-Layout (chosen so that 128-bit loads feed the inner loops directly):
+Layout (chosen so that one 128-bit load feeds the GEMV inner loop directly):
 
 - ``qweight`` int32 ``[Np, Kp // 8]``, row n = output feature n, K padded to a multiple of 128 (``Kp``) and
   N to a multiple of 128 (``Np``). K is cut into tiles of 128; tile t of row n is 16 consecutive words,
-  and nibble j (bits 4j..4j+3) of word c holds the 4-bit code of column
-  ``k = 128 t + 32 (j % 4) + 2 c + j // 4``. Nibbles j and j + 4 sit 16 bits apart and are neighbouring
-  columns, so the kernels turn them into one packed pair with one instruction, and that pair is what an
-  MMA operand register or a packed multiply with (x[k], x[k + 1]) takes; the tile's 16 words (four
-  128-bit loads) cover its columns without shuffles. (Format version 1 had column ``128 t + 16 j + c``;
-  `load_quantized` repacks such files.)
+  and nibble j (bits 4j..4j+3) of word c holds the 4-bit code of column ``k = 128 t + 16 j + c``.
+  So a kernel that loads the 16 words of a tile (four 128-bit loads) gets, for each nibble position j,
+  a contiguous run of 16 K-columns: no shuffles, and x is read in contiguous runs too.
 - ``scales`` ``[G, Np]`` (float16 / bfloat16 / float32): one scale per group of ``group_size`` K-columns
   and output row; per-channel quantization (``group_size=-1``) has ``G = 1``. For NF4 it is the block absmax.
 - ``zeros`` uint8 ``[G, Np]`` or None: integer zero points (int4 with zero points). Without it int4 is
@@ -56,7 +53,7 @@ NF4_CODEBOOK = (
 )
 
 _SAFETENSORS_KEY = "w4a16"
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 1
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -158,40 +155,27 @@ class QuantizedWeight:
                 "dtype": str(self.dtype).removeprefix("torch."), "version": _FORMAT_VERSION}
 
 
-def _nibble_shifts(version: int, device) -> torch.Tensor:
-    """Bit offset of each tile column's code in its word, shaped like the tile's column view: version 2
-    [j % 4, c, j // 4] (column 32 (j % 4) + 2 c + j // 4), version 1 [j, c] (column 16 j + c)."""
-    j = torch.arange(8, device=device)
-    if version == 1:
-        return (4 * j).view(8, 1)
-    return (4 * (j % 4 + 4 * (j // 4))).view(2, 4).t().reshape(4, 1, 2)
-
-
-def _column_view(t: torch.Tensor, version: int) -> torch.Tensor:
-    """[rows, tiles * 128] -> the tile's columns as [rows, tiles, *column dims] of `_nibble_shifts`."""
-    dims = (8, WORDS_PER_TILE) if version == 1 else (4, WORDS_PER_TILE, 2)
-    return t.view(t.shape[0], -1, *dims)
-
-
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes ``[N, K]`` (values 0..15) -> ``qweight`` int32 ``[Np, Kp // 8]`` in the tiled layout."""
     n, k = codes.shape
     np_, kp = round_up(n, PAD_N), round_up(k, TILE_K)
     full = torch.zeros(np_, kp, dtype=torch.int64, device=codes.device)
     full[:n, :k] = codes
-    shifted = _column_view(full, _FORMAT_VERSION) << _nibble_shifts(_FORMAT_VERSION, codes.device)
-    words = shifted.sum(dim=(2, 4))  # the 8 codes of a word occupy disjoint bits: the sum is their OR
+    tiles = full.view(np_, kp // TILE_K, 8, WORDS_PER_TILE)  # [n, tile, j, c]
+    words = torch.zeros(np_, kp // TILE_K, WORDS_PER_TILE, dtype=torch.int64, device=codes.device)
+    for j in range(8):
+        words |= tiles[:, :, j, :] << (4 * j)
     words = torch.where(words >= 2**31, words - 2**32, words)  # reinterpret as int32 two's complement
     return words.to(torch.int32).view(np_, kp // 8)
 
 
-def unpack(qweight: torch.Tensor, shape: tuple[int, int], version: int = _FORMAT_VERSION) -> torch.Tensor:
-    """``qweight`` -> uint8 codes ``[N, K]`` (the inverse of `pack`; `version` 1 reads the earlier layout)."""
+def unpack(qweight: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """``qweight`` -> uint8 codes ``[N, K]`` (the inverse of `pack`)."""
     n, k = shape
     np_, words = qweight.shape
-    tiles = qweight.view(np_, words // WORDS_PER_TILE, WORDS_PER_TILE)
-    word_view = tiles[:, :, None, :] if version == 1 else tiles[:, :, None, :, None]
-    codes = (word_view >> _nibble_shifts(version, qweight.device).to(torch.int32)) & 0xF
+    tiles = qweight.view(np_, words // WORDS_PER_TILE, 1, WORDS_PER_TILE)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device).view(1, 1, 8, 1)
+    codes = (tiles >> shifts) & 0xF  # [n, tile, j, c]
     return codes.reshape(np_, -1)[:n, :k].to(torch.uint8)
 
 
@@ -303,15 +287,12 @@ def load_quantized(path, device="cpu"):
         keys = set(f.keys())
         out = {}
         for name, m in meta.items():
-            version = m.get("version")
-            if version not in (1, _FORMAT_VERSION):
-                raise ValueError(f"{path}: {name or 'weight'} has format version {version}, "
-                                 f"this kernel reads 1 and {_FORMAT_VERSION}")
+            if m.get("version") != _FORMAT_VERSION:
+                raise ValueError(f"{path}: {name or 'weight'} has format version {m.get('version')}, "
+                                 f"this kernel reads {_FORMAT_VERSION}")
             prefix = f"{name}." if name else ""
             fields = {field: f.get_tensor(prefix + field) if prefix + field in keys else None
                       for field in ("qweight", "scales", "zeros", "codebook", "perm")}
-            if version == 1:  # the earlier nibble order: repacked
-                fields["qweight"] = pack(unpack(fields["qweight"], tuple(m["shape"]), version=1))
             out[name] = QuantizedWeight(**fields, shape=tuple(m["shape"]), group_size=m["group_size"],
                                         fmt=m["fmt"], dtype=getattr(torch, m["dtype"]))
     return out[""] if list(out) == [""] else out

@@ -27,34 +27,6 @@ _WORDS = tl.constexpr(WORDS_PER_TILE)
 
 
 @triton.jit
-def _plane_column(j: tl.constexpr):
-    """Tile column of word 0's nibble j (word c adds 2 c): see formats.py. Plane j spans columns
-    32 (j % 4) .. 32 (j % 4) + 31, so planes j and j + 4 share a 32-column group."""
-    return 32 * (j % 4) + j // 4
-
-
-@triton.jit
-def _x_pairs(x_ptr, m, stride_xm, tile, col, K, J: tl.constexpr, ROWS: tl.constexpr, MASK_X: tl.constexpr):
-    """x at columns (k, k + 1) = 128 tile + 32 J + 2 c + (0, 1), the columns of nibbles J and J + 4 of word c,
-    as one int32 per pair, through a pointer tensor shaped like the [ROWS, TILES, 16] word tile (so the loads
-    get its register layout; 4 consecutive words take one 128-bit load, shared by the rows a thread holds).
-    The launcher makes x's rows 4-byte aligned with an even K."""
-    pairs = x_ptr.to(tl.pointer_type(tl.int32)) + m * (stride_xm // 2)
-    idx = tl.broadcast_to(tile[None, :, None] * 64 + 16 * J + col[None, None, :], (ROWS, tile.shape[0], 16))
-    if MASK_X:
-        return tl.load(pairs + idx, mask=2 * idx < K, other=0)
-    return tl.load(pairs + idx)
-
-
-@triton.jit
-def _x_half(pairs, HIGH: tl.constexpr, dtype: tl.constexpr):
-    """One half of `_x_pairs` as fp32."""
-    if HIGH:
-        pairs = pairs >> 16
-    return pairs.to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _word_tiles(w_ptrs, tile, live, MASKED: tl.constexpr):
     """The [BLOCK_N, TILES, 16] words of K-tiles `tile` (dead tiles read as 0 when MASKED); weights are
     streamed once, so they are evicted first."""
@@ -90,8 +62,8 @@ def _gemv_kernel(
 ):
     """One token row per program row (grid axis 2), BLOCK_N output rows, TILES K-tiles per iteration.
 
-    The [BLOCK_N, TILES, 16] word tile is loaded with 128-bit loads; nibble positions j and j + 4 of the 16
-    words are 32 neighbouring K-columns, multiplied by one load of x pairs (`_x_pairs`). Partial sums are
+    The [BLOCK_N, TILES, 16] word tile is loaded with 128-bit loads; each nibble position j is a
+    contiguous run of 16 K-columns per word group, multiplied by the matching x run. Partial sums are
     reduced once per scale group and scaled there (one multiply per group, not per weight).
     """
     pid_n = tl.program_id(0)
@@ -101,6 +73,7 @@ def _gemv_kernel(
     tile_ar = tl.arange(0, TILES)
     col = tl.arange(0, _WORDS)
     w_ptrs = qw_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + col[None, None, :]
+    x_row = x_ptr + m * stride_xm
     first = pid_k * tiles_per_split
     acc = tl.zeros([BLOCK_N, TILES], dtype=tl.float32)
     if PER_CHANNEL:
@@ -122,17 +95,20 @@ def _gemv_kernel(
         # x is loaded through a pointer tensor of the weight tile's shape (constant along rows), so it gets the
         # weight tile's register layout: a [TILES, 16] x tile needs a shared-memory layout conversion (two
         # barriers and a serialized load) per nibble plane; removing them made the GEMV ~12% faster on the H200.
+        k0 = tl.broadcast_to(tile[None, :, None] * 128 + col[None, None, :], (BLOCK_N, TILES, _WORDS))
         part = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
-        w_hi = w >> 16
-        for i in tl.static_range(8):
-            j = 4 * (i % 2) + i // 2  # planes 0, 4, 1, 5, ...: 16 columns at a time in group order
-            if i % 2 == 0:
-                x_pair = _x_pairs(x_ptr, m, stride_xm, tile, col, K, j, BLOCK_N, MASK_X)
-            xj = _x_half(x_pair, i % 2 == 1, x_ptr.dtype.element_ty)
-            if HAS_ZERO and not PER_CHANNEL and (i * 16) % SUBG == 0:
-                group = (tile * 128 + 32 * (j % 4)) // group_size
+        for j in tl.static_range(8):
+            kj = k0 + j * 16
+            if MASK_X:
+                xj = tl.load(x_row + kj, mask=kj < K, other=0.0).to(tl.float32)
+            else:
+                xj = tl.load(x_row + kj).to(tl.float32)
+            if HAS_ZERO and not PER_CHANNEL and (j * 16) % SUBG == 0:
+                group = (tile * 128 + j * 16) // group_size
                 zero = tl.load(z_ptr + group[None, :].to(tl.int64) * stride_sg + rows[:, None],
                                mask=live[None, :], other=0).to(tl.float32)[:, :, None]
+            if j == 4:
+                w_hi = w >> 16
             if NF4:
                 if j < 4:
                     code = (w >> (4 * j)) & 0xF
@@ -151,12 +127,12 @@ def _gemv_kernel(
                 else:
                     f = f - (_MAGIC + 8.0 * weight)
                 part += f * (xj * (1.0 / weight))
-            if ((i + 1) * 16) % SUBG == 0:  # a scale group ends: scale its partial sums once
+            if ((j + 1) * 16) % SUBG == 0:  # a scale group ends: scale its partial sums once
                 psum = tl.sum(part, axis=2)
                 if PER_CHANNEL:
                     acc += psum
                 else:
-                    group = (tile * 128 + 32 * (j % 4)) // group_size
+                    group = (tile * 128 + j * 16) // group_size
                     s = tl.load(s_ptr + group[None, :].to(tl.int64) * stride_sg + rows[:, None],
                                 mask=live[None, :], other=0.0)
                     acc += psum * s.to(tl.float32)
@@ -277,9 +253,8 @@ def _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
 # codebook values / 16, as fp16, live in 8 registers: their low bytes (entries 0-3, 4-7, 8-11, 12-15) and their
 # high bytes. Per 4 nibbles: 4 PRMT look up both bytes in both table halves, 1 PRMT turns bit 3 of each nibble
 # into a byte mask (selector 0xC replicates the sign of a 0x80 byte), 2 LOP3 pick the half, 2 PRMT interleave
-# low and high bytes into the fp16 pairs of nibbles (0, 1) and (2, 3); per word 4 more PRMT regroup them into
-# the pairs (j, j + 4), whose x is a pair of neighbouring columns, as for int4. Pairs j = 0, 1 are the tile's
-# columns 0-63 and j = 2, 3 columns 64-127, so those are summed apart (scale groups of 64 work).
+# low and high bytes into the fp16 pairs of nibbles (0, 1) and (2, 3). Nibbles 0-3 and 4-7 of a word are the
+# tile's columns 0-63 and 64-127, so each half is summed apart (scale groups of 64 work).
 _NF4_HALF_ASM = """
 and.b32 s, W, 0x7777;
 shr.b32 b, W, 3;
@@ -292,32 +267,21 @@ prmt.b32 ha, $7, $8, s;
 prmt.b32 hb, $9, $10, s;
 lop3.b32 lo, la, lb, m, 0xD8;
 lop3.b32 hi, ha, hb, m, 0xD8;
-prmt.b32 P, lo, hi, 0x5140;
-prmt.b32 Q, lo, hi, 0x7362;
-"""
-_NF4_SUMS_ASM = """
-prmt.b32 t, p0, p1, 0x5410;
-mul.rn.f16x2 a, t, $11;
-prmt.b32 t, p0, p1, 0x7632;
-fma.rn.f16x2 a, t, $12, a;
-mov.b32 {l16, h16}, a;
+prmt.b32 p, lo, hi, 0x5140;
+prmt.b32 q, lo, hi, 0x7362;
+mul.rn.f16x2 t, p, XA;
+fma.rn.f16x2 t, q, XB, t;
+mov.b32 {l16, h16}, t;
 add.rn.f16 l16, l16, h16;
-cvt.f32.f16 $0, l16;
-prmt.b32 t, q0, q1, 0x5410;
-mul.rn.f16x2 a, t, $13;
-prmt.b32 t, q0, q1, 0x7632;
-fma.rn.f16x2 a, t, $14, a;
-mov.b32 {l16, h16}, a;
-add.rn.f16 l16, l16, h16;
-cvt.f32.f16 $1, l16;
+cvt.f32.f16 OUT, l16;
 """
 _NF4_ASM = tl.constexpr(
-    "{\n.reg .b32 s, b, m, la, lb, ha, hb, lo, hi, p0, q0, p1, q1, t, a, k80, w2;\n.reg .b16 l16, h16;\n"
+    "{\n.reg .b32 s, b, m, la, lb, ha, hb, lo, hi, p, q, t, k80, w2;\n.reg .b16 l16, h16;\n"
     "mov.b32 k80, 0x80808080;\n"
-    + _NF4_HALF_ASM.replace("W", "$2").replace("P", "p0").replace("Q", "q0")
+    + _NF4_HALF_ASM.replace("W", "$2").replace("XA", "$11").replace("XB", "$12").replace("OUT", "$0")
     + "shr.b32 w2, $2, 16;\n"
-    + _NF4_HALF_ASM.replace("W", "w2").replace("P", "p1").replace("Q", "q1")
-    + _NF4_SUMS_ASM + "}")
+    + _NF4_HALF_ASM.replace("W", "w2").replace("XA", "$13").replace("XB", "$14").replace("OUT", "$1")
+    + "}")
 
 
 @triton.jit
@@ -348,18 +312,17 @@ def _nf4_tables(cb_ptr):
 
 @triton.jit
 def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
-    """sum_j codebook[code_j] / 16 * x_j over nibbles 0, 1, 4, 5 and over 2, 3, 6, 7 of each word (tile columns
-    0-63 and 64-127), as two fp32 tensors. xp_J packs the x of nibbles J and J + 4 (`_x_pairs`). EMULATE
-    computes the same in fp32."""
+    """sum_j codebook[code_j] / 16 * x_j over nibbles 0-3 and over 4-7 of each word, as two fp32 tensors.
+    xp_J packs the x of nibbles 2J (low half) and 2J + 1. EMULATE computes the same in fp32."""
     if EMULATE:
         lo = tl.zeros(w.shape, dtype=tl.float32)
         hi = tl.zeros(w.shape, dtype=tl.float32)
         for j in tl.static_range(4):
             xp = _pick4(j, xp0, xp1, xp2, xp3)
-            low = tl.load(cb_ptr + ((w >> (4 * j)) & 0xF)) * 0.0625
-            high = tl.load(cb_ptr + ((w >> (4 * j + 16)) & 0xF)) * 0.0625
-            term = low * _h2_low(xp) + high * _h2_low(xp >> 16)
-            if j < 2:  # nibbles 0, 1, 4, 5: columns 0-63
+            even = tl.load(cb_ptr + ((w >> (8 * j)) & 0xF)) * 0.0625
+            odd = tl.load(cb_ptr + ((w >> (8 * j + 4)) & 0xF)) * 0.0625
+            term = even * _h2_low(xp) + odd * _h2_low(xp >> 16)
+            if j < 2:
                 lo += term
             else:
                 hi += term
@@ -372,6 +335,22 @@ def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
              tl.broadcast_to(l3, w.shape), tl.broadcast_to(h0, w.shape), tl.broadcast_to(h1, w.shape),
              tl.broadcast_to(h2, w.shape), tl.broadcast_to(h3, w.shape), xp0, xp1, xp2, xp3],
             dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _h2_x_pair(x_row, k0, K, JA: tl.constexpr, JB: tl.constexpr, MASK_X: tl.constexpr):
+    """x at K-columns k0 + 16 JA (low half) and k0 + 16 JB (high half), packed: the operand of planes JA, JB."""
+    ka = k0 + JA * 16
+    kb = k0 + JB * 16
+    if MASK_X:
+        xa = tl.load(x_row + ka, mask=ka < K, other=0.0)
+        xb = tl.load(x_row + kb, mask=kb < K, other=0.0)
+    else:
+        xa = tl.load(x_row + ka)
+        xb = tl.load(x_row + kb)
+    # Integer packing (AND + shift-add), not an inline `mov.b32 {a, b}`: LLVM shares the integer form between
+    # the rows a thread holds, the inline form was repeated per row (PTX / SASS of triton 3.9 for sm_90).
+    return _h2_pack(xa, xb)
 
 
 @triton.jit
@@ -416,6 +395,7 @@ def _gemv_h2_kernel(
     tile_ar = tl.arange(0, TILES)
     col = tl.arange(0, _WORDS)
     w_ptrs = qw_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + col[None, None, :]
+    x_row = x_ptr + m * stride_xm
     first = pid_k * tiles_per_split
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
     zlo = tl.full([BLOCK_N, TILES, _WORDS], _ZLO_SYM, tl.int32)
@@ -447,11 +427,17 @@ def _gemv_h2_kernel(
             x_tile = tl.minimum(tile, num_tiles - 1)
         else:
             x_tile = tile
-        # plane pairs (j, j + 4): neighbouring columns, loaded as pairs
-        xp0 = _x_pairs(x_ptr, m, stride_xm, x_tile, col, K, 0, BLOCK_N, MASK_X)
-        xp1 = _x_pairs(x_ptr, m, stride_xm, x_tile, col, K, 1, BLOCK_N, MASK_X)
-        xp2 = _x_pairs(x_ptr, m, stride_xm, x_tile, col, K, 2, BLOCK_N, MASK_X)
-        xp3 = _x_pairs(x_ptr, m, stride_xm, x_tile, col, K, 3, BLOCK_N, MASK_X)
+        k0 = tl.broadcast_to(x_tile[None, :, None] * 128 + col[None, None, :], (BLOCK_N, TILES, _WORDS))
+        if NF4:  # plane pairs (0, 1), (2, 3), (4, 5), (6, 7)
+            xp0 = _h2_x_pair(x_row, k0, K, 0, 1, MASK_X)
+            xp1 = _h2_x_pair(x_row, k0, K, 2, 3, MASK_X)
+            xp2 = _h2_x_pair(x_row, k0, K, 4, 5, MASK_X)
+            xp3 = _h2_x_pair(x_row, k0, K, 6, 7, MASK_X)
+        else:  # plane pairs (j, j + 4)
+            xp0 = _h2_x_pair(x_row, k0, K, 0, 4, MASK_X)
+            xp1 = _h2_x_pair(x_row, k0, K, 1, 5, MASK_X)
+            xp2 = _h2_x_pair(x_row, k0, K, 2, 6, MASK_X)
+            xp3 = _h2_x_pair(x_row, k0, K, 3, 7, MASK_X)
         if not PER_CHANNEL:
             param_offs = ((tile * 128) // group_size)[None, :].to(tl.int64) * stride_sg + rows[:, None]
             if HAS_ZERO:
@@ -527,12 +513,10 @@ def _unit_planes(w, BF16: tl.constexpr):
 
 @triton.jit
 def _natural_order(p0, p1, p2, p3, p4, p5, p6, p7):
-    """8 planes [R, 16] (plane j, word c: tile column 32 (j % 4) + 2 c + j // 4) as one [R, 128] tile in
-    column order. Planes j and j + 4 are neighbouring columns, so each pair lands in one 32-bit register of
-    the MMA operand as computed (no byte permutes)."""
-    # [R, c, h, jb, ja] for plane 4 h + 2 ja + jb -> [R, ja, jb, c, h] -> column 64 ja + 32 jb + 2 c + h
-    planes = tl.join(tl.join(tl.join(p0, p4), tl.join(p1, p5)), tl.join(tl.join(p2, p6), tl.join(p3, p7)))
-    return tl.reshape(tl.permute(planes, (0, 4, 3, 1, 2)), (planes.shape[0], 128))
+    """8 planes [R, 16] (plane j: tile columns 16 j + c) as one [R, 128] tile in column order."""
+    # [R, 16, 2, 2, 2] with plane index 4 t2 + 2 t1 + t0 -> [R, t2, t1, t0, c] -> column 16 j + c
+    planes = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+    return tl.reshape(tl.permute(planes, (0, 4, 3, 2, 1)), (planes.shape[0], 128))
 
 
 @triton.jit
@@ -542,7 +526,7 @@ def _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, J: 
     (times its group's scale unless the scale is applied to the accumulator), or the NF4 value."""
     code = (w >> (4 * J)) & 0xF
     if not PER_CHANNEL:
-        param_offs = ((tile * 128 + 32 * (J % 4)) // group_size).to(tl.int64) * stride_sg + rows
+        param_offs = ((tile * 128 + J * 16) // group_size).to(tl.int64) * stride_sg + rows
     if NF4:
         v = tl.load(cb_ptr + code)
     else:
@@ -654,7 +638,9 @@ def _dot_kernel(
                         PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
             p7 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 7, NF4, HAS_ZERO,
                         PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
-            wt = _natural_order(p0, p1, p2, p3, p4, p5, p6, p7)
+            # [BN, 16, 2, 2, 2] with plane index 4 t2 + 2 t1 + t0 -> [BN, t2, t1, t0, c] -> K order 16 j + c
+            planes = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+            wt = tl.reshape(tl.permute(planes, (0, 4, 3, 2, 1)), (BLOCK_N, 128))
             kk = tile * 128 + tl.arange(0, 128)
             if MASK_K:
                 xk = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
@@ -666,7 +652,7 @@ def _dot_kernel(
                 part = tl.dot(xk.to(dot_dtype), tl.trans(wt), part)
         else:
             for j in tl.static_range(8):
-                kj = tile * 128 + _plane_column(j) + 2 * col
+                kj = tile * 128 + j * 16 + col
                 if MASK_K:
                     xj = tl.load(x_rows + kj[None, :], mask=m_ok[:, None] & (kj < K)[None, :], other=0.0)
                 else:
@@ -729,11 +715,11 @@ def _dequant_kernel(
                 mask=live[None, :, None], other=0, eviction_policy="evict_first")
     row_ok = (rows < N)[:, None, None]
     for j in tl.static_range(8):
-        k = tile[:, None] * 128 + _plane_column(j) + 2 * col[None, :]
+        k = tile[:, None] * 128 + j * 16 + col[None, :]
         if PER_CHANNEL:
             group = tile * 0
         else:
-            group = (tile * 128 + 32 * (j % 4)) // group_size
+            group = (tile * 128 + j * 16) // group_size
         param_offs = group[None, :].to(tl.int64) * stride_sg + rows[:, None]
         s = tl.load(s_ptr + param_offs, mask=live[None, :], other=0.0).to(tl.float32)[:, :, None]
         code = (w >> (4 * j)) & 0xF
@@ -808,18 +794,7 @@ def _reduce_splits(part, bias, out, n) -> None:
     )
 
 
-def _pair_aligned(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x as `_x_pairs` reads it (int32 pairs): rows 4-byte aligned and of even length; else a copy with a
-    zero column appended (odd K) or a fresh row stride."""
-    if x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and k % 2 == 0:
-        return x
-    aligned = torch.zeros(x.shape[0], k + k % 2, dtype=x.dtype, device=x.device)
-    aligned[:, :k] = x
-    return aligned
-
-
 def _launch_gemv(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, cfg) -> None:
-    x = _pair_aligned(x, k)
     half2 = cfg.get("half2", False)
     use_half2 = bool(half2) and half2_supported(x, codebook, group_size)
     if use_half2 and isinstance(half2, dict):  # the packed-fp16 GEMV's own tiles (tuned apart from the fp32 one)
@@ -841,9 +816,9 @@ def _launch_gemv(x, qweight, scales, zeros, codebook, bias, out, n, k, group_siz
     if use_half2:
         x_scales = scales  # unread unless X_SCALED
         if x.dtype == torch.bfloat16:
-            x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+            x16 = torch.empty(m, k, dtype=torch.float16, device=x.device)
             x_scales = torch.empty(m, num_tiles, dtype=torch.float32, device=x.device)
-            _x_to_fp16_kernel[(m, triton.cdiv(num_tiles, 8))](x, x16, x_scales, x.shape[1], num_tiles, x.stride(0),
+            _x_to_fp16_kernel[(m, triton.cdiv(num_tiles, 8))](x, x16, x_scales, k, num_tiles, x.stride(0),
                                                                x16.stride(0), TILES=8, num_warps=4)
             x = x16
         _gemv_h2_kernel[grid](
