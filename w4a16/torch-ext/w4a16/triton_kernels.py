@@ -452,7 +452,7 @@ def _gemv_h2_kernel(
             s = s * x_scale
         if NF4:
             part, part_hi = _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, EMULATE)
-            if HALF_GROUPS:  # columns 64-127 of the tile are the next scale group
+            if HALF_GROUPS:  # columns 64-127 of the tile are the next scale group: both halves scaled here
                 s_hi = tl.load(s_ptr + param_offs + stride_sg, mask=live[None, :], other=0.0).to(tl.float32)
                 if X_SCALED:
                     s_hi = s_hi * x_scale
@@ -464,10 +464,7 @@ def _gemv_h2_kernel(
             part = _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE)
         if MASK_TILES:
             part = tl.where(live[None, :, None], part, 0.0)
-        if PER_CHANNEL and not X_SCALED or HALF_GROUPS:
-            acc += part
-        else:
-            acc += part * s[:, :, None]
+        acc += part * s[:, :, None]  # a multiply by the constant 1.0 (per channel, unscaled x) folds away
     result = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
     if PER_CHANNEL:
         result = result * scale
@@ -599,22 +596,23 @@ def _dot_kernel(
             part = tl.zeros_like(acc)
         else:
             part = acc
-        if PACKED:
+        group_offs = ((tile * 128) // group_size).to(tl.int64) * stride_sg + rows  # the tile's first group
+        if PACKED or FULL_TILE:  # one K=128 dot: the x tile in column order
             kk = tile * 128 + tl.arange(0, 128)
             if MASK_K:
                 xk = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
             else:
                 xk = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+        if PACKED:
             tile_zero = zero
             if HAS_ZERO and not PER_CHANNEL:
-                tile_zero = tl.load(z_ptr + ((tile * 128) // group_size).to(tl.int64) * stride_sg + rows)[:, None]
+                tile_zero = tl.load(z_ptr + group_offs)[:, None]
             unit_zero = (1.0 + tile_zero.to(tl.float32) * 0.0625).to(dot_dtype)  # exact: 1 + z / 16
             u0, u1, u2, u3, u4, u5, u6, u7 = _unit_planes(w, dot_dtype == tl.bfloat16)
             wt = _natural_order(u0 - unit_zero, u1 - unit_zero, u2 - unit_zero, u3 - unit_zero,
                                 u4 - unit_zero, u5 - unit_zero, u6 - unit_zero, u7 - unit_zero)
             if SCALE_WEIGHTS:  # the group's scale times 16 on the operand, rounded once like a dequantized weight
-                wt = wt * (tl.load(s_ptr + ((tile * 128) // group_size).to(tl.int64) * stride_sg + rows)
-                           .to(tl.float32) * 16.0).to(dot_dtype)[:, None]
+                wt = wt * (tl.load(s_ptr + group_offs).to(tl.float32) * 16.0).to(dot_dtype)[:, None]
             wt = wt.to(dot_dtype)
             xt = xk.to(dot_dtype)
             if SWAP_AB:
@@ -638,14 +636,7 @@ def _dot_kernel(
                         PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
             p7 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 7, NF4, HAS_ZERO,
                         PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
-            # [BN, 16, 2, 2, 2] with plane index 4 t2 + 2 t1 + t0 -> [BN, t2, t1, t0, c] -> K order 16 j + c
-            planes = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
-            wt = tl.reshape(tl.permute(planes, (0, 4, 3, 2, 1)), (BLOCK_N, 128))
-            kk = tile * 128 + tl.arange(0, 128)
-            if MASK_K:
-                xk = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
-            else:
-                xk = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+            wt = _natural_order(p0, p1, p2, p3, p4, p5, p6, p7)
             if SWAP_AB:
                 part = tl.dot(wt, tl.trans(xk.to(dot_dtype)), part)
             else:
@@ -664,7 +655,7 @@ def _dot_kernel(
                 else:
                     part = tl.dot(xj.to(dot_dtype), tl.trans(wd), part)
         if SCALE_ON_ACC:
-            s = tl.load(s_ptr + ((tile * 128) // group_size).to(tl.int64) * stride_sg + rows).to(tl.float32)
+            s = tl.load(s_ptr + group_offs).to(tl.float32)
             if SWAP_AB:
                 acc += part * s[:, None]
             else:
@@ -759,7 +750,7 @@ def half2_supported(x, codebook, group_size) -> bool:
     `_x_to_fp16_kernel`), int4 or NF4 with scale groups of whole 128-column tiles or per channel (NF4: also
     64), and an NVIDIA GPU (inline PTX) or the interpreter (emulated). Elsewhere (groups of 32, int4 groups of
     64, ROCm, XPU) the GEMV config runs the portable `_gemv_kernel`."""
-    groups_ok = group_size == -1 or group_size % 128 == 0 or (codebook is not None and group_size == 64)
+    groups_ok = packed_dot_supported(None, group_size) or (codebook is not None and group_size == 64)
     if x.dtype not in (torch.float16, torch.bfloat16) or not groups_ok:
         return False
     return _interpreting() or (x.device.type == "cuda" and torch.version.hip is None)
@@ -814,8 +805,9 @@ def _launch_gemv(x, qweight, scales, zeros, codebook, bias, out, n, k, group_siz
     )
     group = qweight.shape[1] * 8 if group_size == -1 else group_size
     if use_half2:
+        x_scaled = x.dtype == torch.bfloat16
         x_scales = scales  # unread unless X_SCALED
-        if x.dtype == torch.bfloat16:
+        if x_scaled:
             x16 = torch.empty(m, k, dtype=torch.float16, device=x.device)
             x_scales = torch.empty(m, num_tiles, dtype=torch.float32, device=x.device)
             _x_to_fp16_kernel[(m, triton.cdiv(num_tiles, 8))](x, x16, x_scales, k, num_tiles, x.stride(0),
@@ -825,7 +817,7 @@ def _launch_gemv(x, qweight, scales, zeros, codebook, bias, out, n, k, group_siz
             x, x_scales, qweight, scales, _or(zeros, scales), _or(codebook, scales), _or(bias, scales), target,
             n, k, num_tiles, per_split, group,
             x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
-            HAS_ZERO=zeros is not None, PER_CHANNEL=group_size == -1, X_SCALED=x_scales is not scales,
+            HAS_ZERO=zeros is not None, PER_CHANNEL=group_size == -1, X_SCALED=x_scaled,
             NF4=codebook is not None, HALF_GROUPS=group_size == 64,
             EMULATE=_interpreting(),
             **dict(common, MASK_X=k % 128 != 0),  # masked tiles mask x per tile (MASK_TILES)
