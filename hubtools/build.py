@@ -127,9 +127,10 @@ def _metadata(project: KernelProject, state: SourceState, backend: str, variant:
     return metadata
 
 
-def build_kernel(project: KernelProject, out: Path) -> Path:
-    """Build every variant of `project` into `out/<name>/`, replacing what was there. Returns that folder."""
-    state = source_state(project)
+def build_kernel(project: KernelProject, out: Path, *, state: SourceState | None = None) -> Path:
+    """Build every variant of `project` into `out/<name>/`, replacing what was there. Returns that folder.
+    `state` is the folder's `source_state`, when the caller has it already."""
+    state = state or source_state(project)
     dest = out / project.name
     if dest.exists():
         shutil.rmtree(dest)

@@ -109,25 +109,42 @@ def check_python_depends(project: KernelProject) -> None:
 
 
 # Run in a fresh interpreter: import the variant with the real loader, check layers, run the smoke call.
+# Each stage that fails exits with one line naming the stage and the cause, then the traceback.
 _VARIANT_PROBE = r"""
-import importlib, inspect, json, sys
+import importlib, json, sys, traceback
 spec = json.loads(sys.argv[1])
+
+def stage(what, fn):
+    try:
+        return fn()
+    except BaseException as exc:
+        traceback.print_exc()
+        print(f"FAILED {what}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)
+
 if spec["hide_triton"]:
     sys.modules["triton"] = None  # import fails and find_spec returns None, as on a CPU torch wheel
 import torch, kernels
 from kernels.layer.layer import _validate_layer  # kernels' own layer rules; private, so used only here
-k = kernels.get_local_kernel(__import__("pathlib").Path(spec["variant"]), backend=spec["backend"])
+where = "with triton hidden " if spec["hide_triton"] else ""
+k = stage(f"importing the variant {where}through kernels.get_local_kernel",
+          lambda: kernels.get_local_kernel(__import__("pathlib").Path(spec["variant"]), backend=spec["backend"]))
 missing = [n for n in getattr(k, "__all__", ()) if not hasattr(k, n)]
-assert hasattr(k, "__all__") and not missing, f"__all__ is missing or names undefined symbols {missing}"
+if not hasattr(k, "__all__") or missing:
+    sys.exit(f"FAILED checking __all__: missing, or it names undefined symbols {missing}")
 for layer_name, target in spec["layers"].items():
-    cls = getattr(k.layers, layer_name)
     module, _, qual = target.partition(":")
-    ref = getattr(importlib.import_module(module), qual)
-    _validate_layer(check_cls=ref, cls=cls, repo=f"layers.{layer_name}")
+    ref = stage(f"importing {target}, the class layers.{layer_name} replaces ([workspace.layers])",
+                lambda: getattr(importlib.import_module(module), qual))
+    cls = stage(f"finding layers.{layer_name}", lambda: getattr(k.layers, layer_name))
+    stage(f"checking layers.{layer_name} against {qual} with the kernels layer rules",
+          lambda: _validate_layer(check_cls=ref, cls=cls, repo=f"layers.{layer_name}"))
     for flag in ("can_torch_compile", "has_backward"):
-        assert flag in vars(cls), f"layers.{layer_name} must declare {flag} explicitly"
+        if flag not in vars(cls):
+            sys.exit(f"FAILED checking layers.{layer_name}: it must declare {flag} explicitly")
 if spec["smoke"]:
-    out = eval(spec["smoke"], {"k": k, "torch": torch})
+    out = stage(f"running the sample call {spec['smoke']!r} ([workspace.smoke])",
+                lambda: eval(spec["smoke"], {"k": k, "torch": torch}))
     print("smoke:", type(out).__name__)
 print("ok", k.__name__)
 """
@@ -150,9 +167,10 @@ def check_variant_imports(project: KernelProject, built: Path, backend: str, *, 
         [sys.executable, "-c", _VARIANT_PROBE, json.dumps(spec)], capture_output=True, text=True, check=False
     )
     if result.returncode != 0:
-        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
-        what = "without triton " if hide_triton else ""
-        raise CheckError(f"{variant}: does not import {what}through kernels.get_local_kernel:\n{tail}")
+        lines = result.stderr.strip().splitlines()
+        cause = next((line for line in reversed(lines) if line.startswith("FAILED ")), "FAILED (no stage named)")
+        tail = "\n".join(line for line in lines[-15:] if line != cause)
+        raise CheckError(f"{variant}: {cause[len('FAILED '):]}\n{tail}")
     return result.stdout
 
 

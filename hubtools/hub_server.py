@@ -148,7 +148,8 @@ def check_file_path(path: Any) -> str:
 
 
 def check_new_ref_name(name: Any, kind: str) -> str:
-    """A new branch or tag name: a valid git ref name that cannot be mistaken for a commit id or a full ref."""
+    """A new branch or tag name: a valid git ref name that cannot be mistaken for a commit id, a full ref or
+    a command-line option (git itself refuses branch and tag names that start with '-')."""
     namespace = "refs/heads/" if kind == "branch" else "refs/tags/"
     valid = (
         isinstance(name, str)
@@ -156,6 +157,7 @@ def check_new_ref_name(name: Any, kind: str) -> str:
         and not COMMIT_RE.fullmatch(name)
         and not name.startswith("refs/")
         and name != "HEAD"
+        and not name.startswith("-")
         and subprocess.run(["git", "check-ref-format", namespace + name], env=GIT_ENV).returncode == 0
     )
     if not valid:

@@ -18,7 +18,7 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
 from . import checks
-from .build import build_kernel, source_state
+from .build import SourceState, build_kernel, source_state
 from .workspace import KernelProject
 
 
@@ -33,6 +33,7 @@ class Plan:
     branch: str
     new_repo: bool
     new_branch: bool
+    head: str | None = None  # the version branch's commit when planned (None: no such branch yet)
     added: list[str] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
@@ -71,12 +72,12 @@ def _remote_files(api: HfApi, repo_id: str, revision: str) -> dict[str, str]:
 def plan_publish(api: HfApi, project: KernelProject, built: Path, repo_id: str) -> Plan:
     branch = f"v{project.version}"
     try:
-        refs = api.list_repo_refs(repo_id, repo_type="kernel")
-        branches = {b.name for b in refs.branches}
+        branches = {b.name: b.target_commit for b in api.list_repo_refs(repo_id, repo_type="kernel").branches}
         new_repo = False
     except RepositoryNotFoundError:
-        branches, new_repo = set(), True
-    plan = Plan(repo_id=repo_id, branch=branch, new_repo=new_repo, new_branch=branch not in branches)
+        branches, new_repo = {}, True
+    plan = Plan(repo_id=repo_id, branch=branch, new_repo=new_repo, new_branch=branch not in branches,
+                head=branches.get(branch))
     remote = {} if new_repo else _remote_files(api, repo_id, branch if not plan.new_branch else "main")
     local = _local_files(built)
     uploaded_variants = {"/".join(p.split("/")[:2]) + "/" for p in local if p.startswith("build/")}
@@ -100,24 +101,36 @@ def plan_publish(api: HfApi, project: KernelProject, built: Path, repo_id: str) 
 
 @dataclass
 class PublishResult:
+    name: str
     plan: Plan
     commit: str | None  # head of the version branch after publishing (None in a dry run of a new repo)
     pin_line: str
 
 
-def publish_kernel(
-    project: KernelProject,
-    build_dir: Path,
-    *,
-    api: HfApi | None = None,
-    org: str | None = None,
-    dry_run: bool = False,
-    create_pr: bool = False,
-    allow_dirty: bool = False,
-    log=print,
-) -> PublishResult:
-    """Build, check and publish one kernel. Raises CheckError on a failed check or a dirty tree."""
-    api = api or HfApi()
+@dataclass
+class Prepared:
+    """A kernel built, checked and planned: everything a publish does before its first write."""
+
+    project: KernelProject
+    state: SourceState
+    built: Path
+    plan: Plan
+
+
+def build_checked(project: KernelProject, out: Path, *, state: SourceState | None = None,
+                  import_checks: bool = True) -> tuple[SourceState, Path]:
+    """Check the source, build every variant into `out`, check the build. Raises CheckError."""
+    state = state or source_state(project)
+    checks.check_source(project)
+    built = build_kernel(project, out, state=state)
+    if import_checks:
+        checks.check_build(project, built)
+    return state, built
+
+
+def prepare_publish(project: KernelProject, build_dir: Path, *, api: HfApi, org: str | None = None,
+                    allow_dirty: bool = False, log=print) -> Prepared:
+    """Build, check and plan one kernel; writes nothing. Raises CheckError on a failed check or a dirty tree."""
     state = source_state(project)
     if state.dirty and not allow_dirty:
         raise checks.CheckError(
@@ -126,20 +139,21 @@ def publish_kernel(
         )
     if state.dirty:
         log(f"WARNING: {project.name} is built from an UNCOMMITTED tree; this build is DIRTY ({state.unique_id})")
-    checks.check_source(project)
-    built = build_kernel(project, build_dir)
-    checks.check_build(project, built)
-
+    state, built = build_checked(project, build_dir, state=state)
     repo_id = f"{org}/{project.name}" if org else project.repo_id
-    plan = plan_publish(api, project, built, repo_id)
-    log(plan.describe())
-    commit = None
+    return Prepared(project=project, state=state, built=built, plan=plan_publish(api, project, built, repo_id))
+
+
+def apply_publish(prepared: Prepared, *, api: HfApi, dry_run: bool = False, create_pr: bool = False) -> PublishResult:
+    """Carry out a prepared plan: repo, version branch, one commit of the build, README on main."""
+    plan, project, state, built = prepared.plan, prepared.project, prepared.state, prepared.built
+    repo_id, commit = plan.repo_id, plan.head
     if not dry_run:
         api.create_repo(repo_id, repo_type="kernel", exist_ok=True)
         if plan.new_branch:
             api.create_branch(repo_id, repo_type="kernel", branch=plan.branch, exist_ok=True)
-        head = api.list_repo_refs(repo_id, repo_type="kernel")
-        commit = next(b.target_commit for b in head.branches if b.name == plan.branch)
+            refs = api.list_repo_refs(repo_id, repo_type="kernel")
+            commit = next(b.target_commit for b in refs.branches if b.name == plan.branch)
         if plan.has_changes:
             local = _local_files(built)
             operations = [CommitOperationAdd(p, str(local[p])) for p in plan.added + plan.changed]
@@ -164,11 +178,29 @@ def publish_kernel(
                 revision="main",
                 commit_message=f"{project.name}: README from CARD.md",
             )
-    elif not plan.new_branch:
-        refs = api.list_repo_refs(repo_id, repo_type="kernel")
-        commit = next(b.target_commit for b in refs.branches if b.name == plan.branch)
     pin = f'get_kernel("{repo_id}", revision="{commit}")' if commit else "(dry run: nothing published yet)"
-    return PublishResult(plan=plan, commit=commit, pin_line=pin)
+    return PublishResult(name=project.name, plan=plan, commit=commit, pin_line=pin)
+
+
+def publish_kernels(projects: list[KernelProject], build_dir: Path, *, api: HfApi | None = None,
+                    org: str | None = None, dry_run: bool = False, create_pr: bool = False,
+                    allow_dirty: bool = False, log=print) -> list[PublishResult]:
+    """Publish a set of kernels, all or nothing as far as checks go: every kernel is built, checked and
+    planned before the first write, and one failure publishes none (CheckError naming every failure)."""
+    api = api or HfApi()
+    prepared, failures = [], []
+    for project in projects:
+        try:
+            prepared.append(prepare_publish(project, build_dir, api=api, org=org, allow_dirty=allow_dirty, log=log))
+        except checks.CheckError as exc:
+            failures.append(f"{project.name}: {exc}")
+    if failures:
+        raise checks.CheckError("nothing was published; fix these first:\n" + "\n".join(failures))
+    results = []
+    for item in prepared:
+        log(item.plan.describe())
+        results.append(apply_publish(item, api=api, dry_run=dry_run, create_pr=create_pr))
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,34 +222,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-import-checks", action="store_true", help="with --build-only: no import checks")
     args = parser.parse_args(argv)
 
-    workspace = Workspace.load()
-    projects = workspace.kernels(args.kernels)
+    projects = Workspace.load().kernels(args.kernels)
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
-        failed = False
-        for project in projects:
-            try:
-                if args.build_only:
-                    checks.check_source(project)
-                    built = build_kernel(project, out)
-                    if not args.skip_import_checks:
-                        checks.check_build(project, built)
+        try:
+            if args.build_only:
+                for project in projects:
+                    _, built = build_checked(project, out, import_checks=not args.skip_import_checks)
                     print(f"{project.name}: built {', '.join(project.backends)} into {built}/build")
-                    continue
-                result = publish_kernel(
-                    project,
-                    out,
-                    org=args.org,
-                    dry_run=args.dry_run,
-                    create_pr=args.create_pr,
-                    allow_dirty=args.allow_dirty,
-                )
-                print(f"{project.name}: {'would publish to' if args.dry_run else 'published'} "
+                return 0
+            for result in publish_kernels(projects, out, org=args.org, dry_run=args.dry_run,
+                                          create_pr=args.create_pr, allow_dirty=args.allow_dirty):
+                print(f"{result.name}: {'would publish to' if args.dry_run else 'published'} "
                       f"{result.plan.repo_id}@{result.plan.branch} commit {result.commit}")
                 print(f"  pin it with: {result.pin_line}")
-            except (checks.CheckError, HfHubHTTPError) as exc:
-                # An HTTP error here is e.g. a refused token or a branch moved by a concurrent publish
-                # (parent_commit no longer its head): nothing was written for this kernel.
-                print(f"{project.name}: NOT published:\n{exc}", file=sys.stderr)
-                failed = True
-    return 1 if failed else 0
+        except checks.CheckError as exc:
+            print(f"NOT published: {exc}", file=sys.stderr)
+            return 1
+        except HfHubHTTPError as exc:
+            # e.g. a refused token, or a branch moved by a concurrent publish (parent_commit no longer its
+            # head): the kernel being written got nothing; kernels listed before it were published.
+            print(f"publish stopped by the Hub: {exc}", file=sys.stderr)
+            return 1
+    return 0

@@ -148,7 +148,19 @@ def test_check_fails_when_cpu_variant_needs_triton(scratch_workspace, tmp_path):
     _edit(project, "__init__.py", lambda s: s + "\nimport triton  # unguarded\n")
     built = build_kernel(project, tmp_path)
     checks.check_variant_imports(project, built, "cpu")  # fine while triton is installed
-    with pytest.raises(checks.CheckError, match="without triton"):
+    with pytest.raises(checks.CheckError, match="importing the variant with triton hidden .*import of triton halted"):
+        checks.check_variant_imports(project, built, "cpu", hide_triton=True)
+
+
+def test_check_names_a_layer_target_that_does_not_import(scratch_workspace, tmp_path):
+    """The failure says which class could not be imported for the layer check, not that triton is missing."""
+    manifest = scratch_workspace / "build.toml"
+    manifest.write_text(manifest.read_text().replace("transformers.models.llama.modeling_llama:LlamaRMSNorm",
+                                                     "no_such_package.modeling:LlamaRMSNorm"))
+    project = Workspace.load(scratch_workspace).kernel("rmsnorm")
+    built = build_kernel(project, tmp_path)
+    with pytest.raises(checks.CheckError, match=r"importing no_such_package.modeling:LlamaRMSNorm, the class "
+                                                r"layers.RMSNorm replaces .*No module named 'no_such_package'"):
         checks.check_variant_imports(project, built, "cpu", hide_triton=True)
 
 

@@ -151,8 +151,12 @@ def test_branches_tags_and_refs(api):
     assert [b.name for b in refs.branches] == ["main"] and [t.name for t in refs.tags] == ["v1.0.0"]
     with pytest.raises(RevisionNotFoundError):
         api.delete_branch(repo_id, branch="v1", repo_type="kernel")
-    with pytest.raises(BadRequestError):
-        api.create_branch(repo_id, branch="a..b", repo_type="kernel")
+    # Names git refuses, or that a git command line would read as an option.
+    for bad in ("a..b", "--help", "-v1"):
+        with pytest.raises(BadRequestError):
+            api.create_branch(repo_id, branch=bad, repo_type="kernel")
+        with pytest.raises(BadRequestError):
+            api.create_tag(repo_id, tag=bad, repo_type="kernel")
 
 
 # --------------------------------------------------------------------------------------------------- commits

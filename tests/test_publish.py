@@ -180,6 +180,43 @@ def test_republish_moves_version_but_not_pins(hub):
     assert offline["commit"] == hub.commits["first"]
 
 
+def test_every_pin_the_readme_names_loads_offline_with_the_hub_stopped(hub):
+    """The README's offline recipe: warm a cache with whole snapshots (a lock's commits through lock.py
+    --download, a revision or a version branch through snapshot_download), stop the hub, load with
+    HF_HUB_OFFLINE=1 each way the README names."""
+    cache = hub.tmp / "offline-cache"
+    pinned, moving = hub.commits["first"], hub.commits["second"]
+    with running_hub(hub.data, token=TOKEN, trusted_orgs=[ORG]) as endpoint:
+        online = client_env(endpoint, cache=cache)
+        subprocess.run([sys.executable, str(hub.workspace / "scripts" / "lock.py"), str(hub.lockfile.parent),
+                        "--download"], env=online, check=True, capture_output=True)
+        warm = f"""
+from huggingface_hub import snapshot_download
+from kernels.hf_hub import CACHE_DIR
+for revision in ("{pinned}", "v1"):
+    snapshot_download("{REPO}", repo_type="kernel", revision=revision, cache_dir=CACHE_DIR)
+"""
+        subprocess.run([sys.executable, "-c", warm], env=online, check=True, capture_output=True)
+    offline = {**online, "HF_HUB_OFFLINE": "1"}  # the hub above is stopped: nothing answers at its endpoint
+    loads = {
+        "load_kernel": (f'kernels.load_kernel("{REPO}", lockfile=Path("{hub.lockfile}"))', pinned),
+        "get_locked_kernel": (f'kernels.get_locked_kernel("{REPO}", lockfile=Path("{hub.lockfile}"))', pinned),
+        "revision": (f'kernels.get_kernel("{REPO}", revision="{pinned}")', pinned),
+        "version": (f'kernels.get_kernel("{REPO}", version=1)', moving),
+    }
+    for how, (call, commit) in loads.items():
+        code = f"""
+import json, torch, kernels
+from pathlib import Path
+k = {call}
+y = k.rms_norm(torch.randn(2, 8), torch.ones(8))
+print(json.dumps({{"commit": Path(k.__file__).parents[2].name, "finite": bool(torch.isfinite(y).all())}}))
+"""
+        result = subprocess.run([sys.executable, "-c", code], env=offline, capture_output=True, text=True)
+        assert result.returncode == 0, f"{how}: {result.stderr[-2000:]}"
+        assert json.loads(result.stdout.strip().splitlines()[-1]) == {"commit": commit, "finite": True}, how
+
+
 def test_version_bump_publishes_v2_and_v1_v2_load_side_by_side(hub):
     _edit_and_commit(hub.workspace, "rmsnorm/build.toml", "version = 1", "version = 2", "bump to v2")
     hub.publish("rmsnorm")

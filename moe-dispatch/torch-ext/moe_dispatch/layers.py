@@ -19,15 +19,45 @@ from torch import nn
 from .ops import fused_experts
 
 
+# transformers' SiLU modules (ACT2FN["silu"] and ACT2FN["swish"]), named so that this package needs no
+# transformers import; exact types, since a subclass may compute something else.
+_SILU_TYPES = {("torch.nn.modules.activation", "SiLU"), ("transformers.activations", "SiLUActivation")}
+
+
+def _unsupported(module: nn.Module) -> str | None:
+    """Why the fused kernel would not compute exactly what `module`'s eager forward computes, or None."""
+    cls = type(module)
+    if (getattr(module, "has_bias", False) or getattr(module, "is_transposed", False)
+            or not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True)):
+        return "it needs concatenated gate/up weights [E, 2I, H] and down weights [E, H, I] without bias"
+    if getattr(module, "has_post_expert_norm", False):
+        return "it has a norm after each expert (has_post_expert_norm)"
+    if getattr(module, "_is_expert_parallel", False):
+        return "its experts are sharded for expert parallelism (ids of other ranks' experts)"
+    gate = getattr(cls, "_apply_gate", None)
+    if gate is not None and (gate.__module__, gate.__name__) != ("transformers.integrations.moe", "_default_apply_gate"):
+        return f"it computes its own gate ({cls.__qualname__}._apply_gate), not SiLU(gate) * up"
+    act = getattr(module, "act_fn", None)
+    if act is not torch.nn.functional.silu and (type(act).__module__, type(act).__name__) not in _SILU_TYPES:
+        return f"its activation is {type(act).__name__}, and the kernel computes SiLU(gate) * up"
+    for name in ("gate_up_proj", "down_proj"):
+        if not isinstance(getattr(module, name, None), torch.Tensor):
+            return f"it has no {name} tensor"
+    return None
+
+
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The routed experts of a transformers `*Experts` module (its own attributes and layout flags)."""
-    if (getattr(self, "has_bias", False) or getattr(self, "is_transposed", False)
-            or not getattr(self, "has_gate", True) or not getattr(self, "is_concatenated", True)):
-        raise ValueError(f"{type(self).__name__}: moe-dispatch needs concatenated gate/up weights [E, 2I, H] "
-                         "and down weights [E, H, I] without bias")
-    activation = getattr(getattr(self, "config", None), "hidden_act", "silu")
-    return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_weights, top_k_index, activation)
+    """The routed experts of a transformers `*Experts` module (its own attributes and layout flags).
+
+    Refuses (ValueError) a module whose eager forward differs from SiLU(gate) * up experts: its own gate,
+    another activation, bias, a post-expert norm, other layouts, expert-parallel shards.
+    """
+    reason = _unsupported(self)
+    if reason is not None:
+        raise ValueError(f"moe-dispatch cannot run {type(self).__name__}: {reason}; use transformers' own "
+                         f"experts implementation (e.g. set_experts_implementation('grouped_mm')) for this model")
+    return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_weights, top_k_index, "silu")
 
 
 class MoEExperts(nn.Module):
