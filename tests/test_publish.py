@@ -146,6 +146,27 @@ def test_dirty_tree_is_refused(hub):
         init.write_text(original)
 
 
+def test_a_set_with_one_failing_kernel_publishes_none(hub):
+    """rmsnorm has a committed change ready to publish; moe-dispatch fails its checks: neither is written."""
+    _edit_and_commit(hub.workspace, "rmsnorm/torch-ext/rmsnorm/__init__.py", '"""', '"""Set. ', "ready to publish")
+    broken = hub.workspace / "moe-dispatch" / "torch-ext" / "moe_dispatch" / "__init__.py"
+    original = broken.read_text()
+    broken.write_text(original + "\n# uncommitted\n")
+    before = hub.refs()
+    try:
+        result = hub.publish("rmsnorm", "moe-dispatch", check=False)
+    finally:
+        broken.write_text(original)
+    assert result.returncode != 0
+    assert "nothing was published" in result.stderr and "moe-dispatch: " in result.stderr
+    assert hub.refs() == before
+    missing = hub.client("""
+        api = huggingface_hub.HfApi()
+        print(json.dumps({"exists": api.repo_exists("triton-llm/moe-dispatch", repo_type="kernel")}))
+    """)
+    assert missing == {"exists": False}
+
+
 def test_wrong_or_missing_token_is_refused_and_nothing_written(hub):
     before = hub.refs()
     for token in ("wrong-token", ""):

@@ -22,6 +22,7 @@ def route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", 
     """
     ops.require_tensors(router_logits=router_logits, correction_bias=correction_bias)
     ops.check_int("top_k", top_k, 1)
+    ops.check_types(scoring=(scoring, str), renormalize=(renormalize, bool), scaling_factor=(scaling_factor, (float, int)))
     return ops.route(router_logits, top_k, scoring, renormalize, correction_bias, num_groups, topk_groups,
                      scaling_factor)
 
@@ -35,6 +36,7 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
     """
     ops.require_tensors(hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights,
                         topk_ids=topk_ids)
+    ops.check_types(activation=(activation, str))
     return ops.fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation)
 
 
@@ -49,6 +51,7 @@ def moe_forward(hidden_states: torch.Tensor, router_weight: torch.Tensor, w_gate
     ops.require_tensors(hidden_states=hidden_states, router_weight=router_weight, w_gate_up=w_gate_up, w_down=w_down,
                         correction_bias=correction_bias, shared_gate_up=shared_gate_up, shared_down=shared_down)
     ops.check_int("top_k", top_k, 1)
+    ops.check_types(scoring=(scoring, str), renormalize=(renormalize, bool), scaling_factor=(scaling_factor, (float, int)))
     flat = hidden_states.reshape(-1, hidden_states.shape[-1]) if hidden_states.dim() != 2 else hidden_states
     out = ops.moe_forward(flat, router_weight, w_gate_up, w_down, top_k, scoring, renormalize, correction_bias,
                           num_groups, topk_groups, scaling_factor, shared_gate_up, shared_down)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops import fused_experts
+from .ops import fused_experts, require_tensors
 
 
 # transformers' SiLU modules (ACT2FN["silu"] and ACT2FN["swish"]), named so that this package needs no
@@ -53,6 +53,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     Refuses (ValueError) a module whose eager forward differs from SiLU(gate) * up experts: its own gate,
     another activation, bias, a post-expert norm, other layouts, expert-parallel shards.
     """
+    require_tensors(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights)
     reason = _unsupported(self)
     if reason is not None:
         raise ValueError(f"moe-dispatch cannot run {type(self).__name__}: {reason}; use transformers' own "

@@ -50,6 +50,15 @@ def require_tensors(**named) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
+def check_types(**named: tuple) -> None:
+    """`name=(value, type or types)`: TypeError naming the argument for a value of another type (bool is
+    not taken for a number)."""
+    for name, (value, types) in named.items():
+        types = types if isinstance(types, tuple) else (types,)
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            raise TypeError(f"{name} must be {' or '.join(t.__name__ for t in types)}, got {type(value).__name__}")
+
+
 def check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -72,8 +81,6 @@ def _check_routing(num_experts: int, top_k: int, scoring: str, correction_bias: 
         raise ValueError(f"top_k={top_k} exceeds the number of experts ({num_experts})")
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
-    if not isinstance(scaling_factor, (int, float)) or isinstance(scaling_factor, bool):
-        raise TypeError(f"scaling_factor must be a float, got {type(scaling_factor).__name__}")
     if correction_bias is not None:
         check_tensor("correction_bias", correction_bias, 1, FLOAT_DTYPES)
         if correction_bias.shape[0] != num_experts:
@@ -92,19 +99,19 @@ def _check_routing(num_experts: int, top_k: int, scoring: str, correction_bias: 
 
 
 def _check_weights(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    """Sizes come from hidden_states (H) and w_gate_up (E, 2I); a mismatch names the tensor that disagrees."""
     check_tensor("hidden_states", hidden_states, 2, FLOAT_DTYPES)
     check_tensor("w_gate_up", w_gate_up, 3, (hidden_states.dtype,))
     check_tensor("w_down", w_down, 3, (hidden_states.dtype,))
     _check_same_device(hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down)
     hidden = hidden_states.shape[1]
-    experts, intermediate = w_down.shape[0], w_down.shape[2]
-    if w_down.shape[1] != hidden:
-        raise ValueError(f"w_down must be [E, H, I] with H={hidden} (hidden_states {tuple(hidden_states.shape)}), "
-                         f"got {tuple(w_down.shape)}")
-    if w_gate_up.shape != (experts, 2 * intermediate, hidden):
-        raise ValueError(f"w_gate_up must be [E, 2I, H] = {[experts, 2 * intermediate, hidden]} to match "
-                         f"hidden_states {tuple(hidden_states.shape)} and w_down {tuple(w_down.shape)}, "
-                         f"got {tuple(w_gate_up.shape)}")
+    experts, two_i = w_gate_up.shape[0], w_gate_up.shape[1]
+    if w_gate_up.shape[2] != hidden or two_i % 2:
+        raise ValueError(f"w_gate_up must be [E, 2I, H] with H={hidden} (hidden_states "
+                         f"{tuple(hidden_states.shape)}) and an even 2I, got {tuple(w_gate_up.shape)}")
+    if w_down.shape != (experts, hidden, two_i // 2):
+        raise ValueError(f"w_down must be [E, H, I] = {[experts, hidden, two_i // 2]} to match hidden_states "
+                         f"{tuple(hidden_states.shape)} and w_gate_up {tuple(w_gate_up.shape)}, got {tuple(w_down.shape)}")
 
 
 def _check_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

@@ -20,6 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
     The result has x's dtype, except with `offset=0.0` and a weight of another dtype, where it has the
     promoted dtype as `weight * normed` does in `LlamaRMSNorm`. Differentiable in x and weight.
     """
+    ops.check_argument_types(x, None, weight, eps, offset)
     return ops.rms_norm(x, weight, eps, offset)
 
 
@@ -37,6 +38,7 @@ def fused_add_rms_norm(
     With `inplace=True` (the vLLM convention) the sum is written into `residual`, the normalized output
     into `x`, and `(x, residual)` is returned; it has no autograd, so inputs must not require grad.
     """
+    ops.check_argument_types(x, residual, weight, eps, offset, inplace, needs_residual=True)
     if not inplace:
         return ops.fused_add_rms_norm(x, residual, weight, eps, offset)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight)):

@@ -28,6 +28,19 @@ def _use_triton(x: torch.Tensor) -> bool:
     return triton_kernels is not None and (x.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def check_argument_types(x, residual, weight, eps, offset, inplace=False, *, needs_residual=False) -> None:
+    """TypeError naming the argument, before the dispatcher rejects it with a generic RuntimeError."""
+    for name, value, optional in (("x", x, False), ("residual", residual, not needs_residual), ("weight", weight, True)):
+        if not isinstance(value, torch.Tensor) and not (optional and value is None):
+            raise TypeError(f"{name} must be a torch.Tensor{' or None' if name == 'weight' else ''}, "
+                            f"got {type(value).__name__}")
+    for name, value in (("eps", eps), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+
+
 def _check_inputs(x, residual, weight, eps, offset) -> None:
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")

@@ -263,6 +263,8 @@ def save_quantized(weights, path) -> None:
     """Save one `QuantizedWeight` or a ``{name: QuantizedWeight}`` dict to a safetensors file."""
     from safetensors.torch import save_file
 
+    if not isinstance(weights, (QuantizedWeight, dict)):
+        raise TypeError(f"weights must be a QuantizedWeight or a dict of them, got {type(weights).__name__}")
     items = {"": weights} if isinstance(weights, QuantizedWeight) else dict(weights)
     tensors, meta = {}, {}
     for name, qw in items.items():

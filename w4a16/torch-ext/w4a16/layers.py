@@ -68,6 +68,8 @@ def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] 
                    zero_point: bool = False, fmt: str = "int4") -> nn.Module:
     """Replace every ``nn.Linear`` of `model` whose qualified name does not match `skip` (a name, or a
     component of the dotted name) by a `W4A16Linear`, in place; returns `model`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(skip, str):
         skip = (skip,)
     skip = tuple(skip)
