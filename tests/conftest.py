@@ -58,6 +58,14 @@ def load_kernel(built_kernel_dir):
     return get
 
 
+def pytest_configure(config):
+    """Without a GPU the Triton kernels are tested through the interpreter: a missing triton would skip
+    those tests silently, so it stops the run instead."""
+    if not torch.cuda.is_available() and importlib.util.find_spec("triton") is None:
+        raise pytest.UsageError('no CUDA GPU and no triton: install the interpreter extra '
+                                '(pip install -e ".[test,interpreter]") to test the Triton kernels on CPU')
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip cleanly on machines without CUDA."""
     if torch.cuda.is_available():

@@ -5,6 +5,9 @@ instead of the caller's), so the lock is always passed explicitly.
 
     python app.py            # get_locked_kernel: downloads the locked commit if it is not cached
     python app.py --offline  # load_kernel: only the local cache, never the network
+
+Offline loading needs the whole snapshot of each locked commit in the cache (one variant, as an online
+load leaves it, is not enough): warm it first with `python scripts/lock.py examples/downstream --download`.
 """
 
 import argparse
