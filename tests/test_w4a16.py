@@ -41,6 +41,12 @@ CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot an
     "gemv-half2": {"kernel": "gemv", "block_n": 64, "tiles": 2, "split_k": 1, "half2": True},
     "gemv-half2-split-prefetch": {"kernel": "gemv", "block_n": 32, "tiles": 2, "split_k": 2, "prefetch": True,
                                   "half2": True},  # K = 384: 3 tiles in 2 splits of 2, the last tile masked
+    # Weight tiles software-pipelined through shared memory, x broadcast over the rows: a cp.async ring, and
+    # TMA boxes (zero-filled past the last tile).
+    "gemv-half2-staged": {"kernel": "gemv", "block_n": 32, "tiles": 2, "split_k": 2, "num_stages": 3, "x_bcast": True,
+                          "half2": True},
+    "gemv-half2-tma": {"kernel": "gemv", "block_n": 32, "tiles": 2, "split_k": 2, "num_stages": 3, "x_bcast": True,
+                       "tma": True, "half2": True},
     # As the tuned tables write it: the fp32 GEMV's tiles, and the packed-fp16 GEMV's own where it applies.
     "gemv-half2-own-tiles": {"kernel": "gemv", "block_n": 64, "tiles": 2, "split_k": 1,
                              "half2": {"block_n": 32, "tiles": 1, "split_k": 2, "prefetch": True}},

@@ -103,10 +103,14 @@ HALF2_FORMATS = [(False, 128), (True, 128), (False, -1), (True, -1), (True, 256)
 
 
 @pytest.mark.parametrize("zero_point,group_size", HALF2_FORMATS)
-@pytest.mark.parametrize("split_k,prefetch", [(1, False), (3, True)])
+@pytest.mark.parametrize("tiles", [  # plain loads; x broadcast over the rows with a cp.async or a TMA ring
+    {"block_n": 8, "split_k": 1, "prefetch": False}, {"block_n": 8, "split_k": 3, "prefetch": True},
+    {"block_n": 16, "split_k": 3, "num_stages": 3, "x_bcast": True},
+    {"block_n": 16, "split_k": 1, "num_stages": 3, "x_bcast": True, "tma": True}],
+    ids=["plain", "split-prefetch", "bcast-cp-async-split", "bcast-tma"])
 @pytest.mark.parametrize("dtype,x_scale", [(torch.float16, 1.0), (torch.float16, 3000.0), (torch.bfloat16, 1.0),
                                            (torch.bfloat16, 1e8)])
-def test_half2_gemv_vs_float64(k, zero_point, group_size, split_k, prefetch, dtype, x_scale):
+def test_half2_gemv_vs_float64(k, zero_point, group_size, tiles, dtype, x_scale):
     """The packed-fp16 GEMV (inline PTX) on poisoned outputs, against float64. Its fp16 products and 8-term
     partial sums add ~2^-11 relative rounding on top of the output's own, so TOL still holds; fp16 x in
     the thousands neither overflows nor loses accuracy, and bf16 x (made fp16 per tile by a pre-pass) works
@@ -116,8 +120,7 @@ def test_half2_gemv_vs_float64(k, zero_point, group_size, split_k, prefetch, dty
     x = (torch.randn(2, kk, device="cuda") * x_scale).to(dtype)
     assert k.triton_kernels.half2_supported(x, None, group_size)
     bias = torch.randn(n, device="cuda", dtype=dtype) * x_scale
-    config = {"kernel": "gemv", "block_n": 8, "tiles": 8, "split_k": split_k, "num_warps": 4, "prefetch": prefetch,
-              "half2": True}
+    config = {"kernel": "gemv", "tiles": 8, "num_warps": 4, "half2": True, **tiles}
     out = torch.full((2, n), float("nan"), device="cuda", dtype=dtype)
     k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, group_size, config, out=out)
     assert not out.isnan().any()
@@ -150,14 +153,16 @@ def test_packed_dot_vs_float64(k, zero_point, group_size, dtype, block_m, block_
 
 @pytest.mark.parametrize("group_size", [64, 128, -1])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half2_gemv_nf4_vs_float64(k, group_size, dtype):
+@pytest.mark.parametrize("pipeline", [{}, {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True}],
+                         ids=["plain", "bcast-tma"])
+def test_half2_gemv_nf4_vs_float64(k, group_size, dtype, pipeline):
     """NF4 through the packed-fp16 GEMV (codebook looked up with PRMT byte permutes, inline PTX), with groups
     of 64 (each half of a 128-column tile scaled apart), on poisoned outputs against float64."""
     n, kk = 3000, 5120
     qw = k.quantize(_weight(n, kk, dtype, seed=8), group_size=group_size, fmt="nf4")
     x = torch.randn(2, kk, device="cuda", dtype=dtype)
     assert k.triton_kernels.half2_supported(x, qw.codebook, group_size)
-    config = {"kernel": "gemv", "block_n": 8, "tiles": 8, "split_k": 3, "num_warps": 4, "half2": True}
+    config = {"kernel": "gemv", "block_n": 8, "tiles": 8, "split_k": 3, "num_warps": 4, "half2": True, **pipeline}
     out = torch.full((2, n), float("nan"), device="cuda", dtype=dtype)
     k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, None, n, kk, group_size, config, out=out)
     assert not out.isnan().any()

@@ -328,7 +328,7 @@ def tune(kernel, shapes=SHAPES, tokens=(1, 16, 64, 256, 1024), log: Callable[[st
                         best = (t, cfg)
             if best is not None and best_half2 is not None:  # the fp32 winner, with the half2 winner's tiles
                 h2 = {key: best_half2[1][key] for key in ("block_n", "tiles", "split_k", "num_warps", "num_stages",
-                                                          "prefetch")}
+                                                          "prefetch", "x_bcast", "tma") if key in best_half2[1]}
                 log(f"{label} M={m}: best half2 {best_half2[0] * 1e6:.1f} us "
                     f"({shape.our_bytes(m) / best_half2[0] / 1e12:.2f} TB/s) {h2}")
                 best = (best[0], dict(best[1], half2=h2))
@@ -380,6 +380,12 @@ def _half2_candidates(rows: int, tiles: int, sm_count: int) -> list[dict]:
             splits += [s for s in (2, 4, 8) if -(-tiles // s) >= 2 and programs * s <= 16 * sm_count]
         out += [{"kernel": "gemv", "block_n": bn, "tiles": t, "split_k": s, "num_warps": w, "num_stages": 1,
                  "prefetch": pf, "half2": True} for s in splits]
+    # x broadcast over the rows with a 3-stage ring of the weight tiles (TMA or cp.async): the 2026-12-01 winners
+    # on the long-K Llama-3-70B shapes (docs/design/w4a16.md, E1b)
+    programs = rows // 16
+    splits = [1] + [s for s in (2, 4) if programs * s <= 8 * sm_count and tiles // s >= 16]
+    out += [{"kernel": "gemv", "block_n": 16, "tiles": 8, "split_k": s, "num_warps": 4, "num_stages": 3,
+             "prefetch": False, "x_bcast": True, "tma": tma, "half2": True} for tma in (True, False) for s in splits]
     return out
 
 
@@ -507,6 +513,101 @@ def compare_gemv(kernel, shapes=SHAPES + QWEN_SHAPES, out_dir=".", log: Callable
     return result
 
 
+# ---------------------------------------------------------------------------------------------------
+# Decode-path experiments (issue 12): the shipped config, candidate launches and cuBLAS fp16, per shape and M.
+
+OTHER_SHAPES = (  # (label, K, N): model shapes in no tuned table (Llama-2-7B / Mistral-7B-class MLP)
+    ("L2-7B gate_up", 4096, 22016),
+    ("L2-7B down", 11008, 4096),
+)
+
+
+def _pipeline_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[dict]:
+    """M = 1 packed-fp16 GEMV launches: x loaded once per (tile, word) and broadcast over the rows (`x_bcast`),
+    the weight tiles through a cp.async ring (`num_stages` > 1) or TMA boxes (`tma`), split-K where programs
+    are few."""
+    if m != 1:
+        return []
+    base = [  # (block_n, tiles, num_stages, tma)
+        (8, 8, 1, False), (8, 8, 2, False), (8, 8, 3, False), (8, 8, 4, False), (8, 16, 1, False),
+        (8, 16, 3, False), (16, 8, 1, False), (16, 8, 2, False), (16, 8, 3, False), (8, 8, 3, True), (8, 8, 4, True),
+        (16, 8, 3, True),
+    ]
+    out = []
+    for bn, t, st, tma in base:
+        programs = rows // bn
+        splits = [1] + [s for s in (2, 4) if programs * s <= 8 * sm_count and tiles // s >= 16]
+        out += [{"kernel": "gemv", "block_n": bn, "tiles": t, "split_k": s, "num_warps": 4, "num_stages": st,
+                 "prefetch": False, "x_bcast": True, "tma": tma, "half2": True} for s in splits]
+    return out
+
+
+def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1,), candidates=_pipeline_candidates,
+                   out_path=None, log: Callable[[str], None] = print) -> dict:
+    """int4 g128 fp16 at each M in `tokens`: the shipped config (`tuning.select`), every candidate launch and
+    cuBLAS fp16 in one process, each verified against the float64-exact fp32 reference and graph-timed
+    (rotated weights), with registers / shared memory of each compiled variant. Written to `out_path` after
+    every shape, so a run cut short keeps what it measured."""
+    tk, tuning = kernel.triton_kernels, kernel.tuning
+    device = torch.device("cuda")
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    warm_clocks()
+    result = {"env": environment(), "copy_bandwidth": measure_copy_bandwidth(), "rows": []}
+    jit_fns = {"gemv_half2": tk._gemv_h2_kernel, "dot": tk._dot_kernel, "gemv": tk._gemv_kernel}
+    resources: dict[str, dict] = {}
+    for label, k, n in shapes:
+        shape = _Shape(kernel, k, n)
+        rows_padded, tiles = shape.qw.qweight.shape[0], shape.qw.qweight.shape[1] // 16
+        dense16 = shape.dense_copies(torch.float16)
+        for m in tokens:
+            xs = _inputs(m, k, torch.float16, max(shape.copies, len(dense16)))
+            ref = shape.reference(xs[0])
+            nbytes = shape.our_bytes(m)
+            plan = {"replays": 5, **_timing_plan(m)}
+
+            def evaluate(name, cfg):
+                def call(i):
+                    q = shape.qws[i % shape.copies]
+                    return tk.matmul(xs[i], q.qweight, q.scales, q.zeros, q.codebook, None, n, k, GROUP, cfg)
+
+                before = _snapshot(jit_fns)
+                row = {"shape": label, "N": n, "K": k, "m": m, "impl": name, "config": cfg}
+                try:
+                    t, err = _time_verified(call, shape.copies, xs, lambda _: ref, torch.float16, plan)
+                except Exception as exc:  # a candidate that fails to compile or verify is recorded, not fatal
+                    log(f"  {label} M={m} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+                    return dict(row, error=f"{type(exc).__name__}: {exc}"[:300])
+                key = json.dumps(cfg, sort_keys=True)
+                for kname, ck in _new_since(jit_fns, before).items():
+                    resources.setdefault(key, {})[kname] = {"regs": ck.n_regs, "spills": ck.n_spills,
+                                                            "shared": ck.metadata.shared}
+                return dict(row, us=t * 1e6, TBps=nbytes / t / 1e12, pct_copy=100 * nbytes / t / result["copy_bandwidth"],
+                            rel_err=err, code=resources.get(key))
+
+            shipped = evaluate("shipped", dict(tuning.select(m, n, k, device)))
+            trials = [evaluate("candidate", c) for c in candidates(m, rows_padded, tiles, sm_count)]
+            t_cublas, cublas_err = _time_verified(lambda i: F.linear(xs[i], dense16[i % len(dense16)]), len(dense16),
+                                                  xs, lambda _: ref, torch.float16, plan)
+            cublas = {"shape": label, "N": n, "K": k, "m": m, "impl": "cublas-fp16", "us": t_cublas * 1e6,
+                      "rel_err": cublas_err}
+            result["rows"] += [shipped, *trials, cublas]
+            ok = [t for t in trials if "us" in t]
+            best = min(ok, key=lambda t: t["us"]) if ok else None
+            line = f"{label} M={m}: cuBLAS {t_cublas * 1e6:.1f} us"
+            if "us" in shipped:
+                line += f" | shipped {shipped['us']:.1f} us ({shipped['pct_copy']:.0f}%, {t_cublas * 1e6 / shipped['us']:.2f}x)"
+            if best:
+                line += (f" | best {best['us']:.1f} us ({best['pct_copy']:.0f}%, {t_cublas * 1e6 / best['us']:.2f}x) "
+                         + json.dumps({key: best["config"][key] for key in best["config"] if key not in ("kernel", "half2")}))
+            log(line)
+            del xs
+        del shape, dense16
+        torch.cuda.empty_cache()
+        if out_path is not None:
+            out_path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m hubtools.bench.w4a16 --out tune.json [--shapes LABEL ...] [--tokens M ...]`: build the
     kernel, run `tune`, and write the launch table (``shapes``) with every trial and the environment."""
@@ -529,6 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-run", action="store_true",
                         help="instead of the sweep: the benchmark (`run`) at M=1 only, Llama-3 and Qwen2.5-1.5B "
                              "shapes, written as a results file (e.g. docs/benchmarks/w4a16-m1-results.json)")
+    parser.add_argument("--compare-decode", action="store_true",
+                        help="instead of the sweep: shipped config vs decode-path candidates vs cuBLAS at --tokens "
+                             "(compare_decode; Llama-3, Qwen2.5-1.5B and untuned shapes, or --shapes)")
     parser.add_argument("--compare-gemv", action="store_true",
                         help="instead of the sweep: M=1 fp32 GEMV vs packed-fp16 GEMV candidates vs cuBLAS "
                              "(compare_gemv)")
@@ -540,6 +644,14 @@ def main(argv: list[str] | None = None) -> int:
             results = run(module, shapes=SHAPES + QWEN_SHAPES, tokens=(1,), bf16_shapes=())
         results["env"]["command"] = "python -m hubtools.bench.w4a16 --decode-run --out " + str(args.out)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return 0
+    if args.compare_decode:
+        every = SHAPES + QWEN_SHAPES + OTHER_SHAPES
+        chosen = every if args.shapes == [s[0] for s in SHAPES] else tuple(s for s in every if s[0] in args.shapes)
+        with tempfile.TemporaryDirectory() as tmp:
+            module = kernels.get_local_kernel(build_kernel(project, Path(tmp)) / "build")
+            compare_decode(module, shapes=chosen, tokens=tuple(args.tokens), out_path=args.out)
         print(f"wrote {args.out}")
         return 0
     if args.compare_gemv:

@@ -18,6 +18,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .formats import WORDS_PER_TILE
 
@@ -378,7 +379,7 @@ def _gemv_h2_kernel(
     HALF_GROUPS: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    EMULATE: tl.constexpr,
+    X_BCAST: tl.constexpr, W_DESC: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
     `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
@@ -387,6 +388,9 @@ def _gemv_h2_kernel(
 
     Every (row, tile, word) element keeps its own fp32 accumulator (one FFMA with its group's scale per
     word); the reductions over words and tiles happen once, after the K loop.
+
+    STAGES > 1 software-pipelines the weight tiles through a shared-memory ring (cp.async, or with W_DESC a
+    TMA descriptor ``qw_ptr`` over ``[rows, num_tiles, 16]`` words, boxes of [BLOCK_N, TILES, 16]).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -394,7 +398,8 @@ def _gemv_h2_kernel(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tile_ar = tl.arange(0, TILES)
     col = tl.arange(0, _WORDS)
-    w_ptrs = qw_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + col[None, None, :]
+    if not W_DESC:
+        w_ptrs = qw_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + col[None, None, :]
     x_row = x_ptr + m * stride_xm
     first = pid_k * tiles_per_split
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
@@ -412,7 +417,9 @@ def _gemv_h2_kernel(
     for it in tl.range(0, tiles_per_split, TILES, num_stages=STAGES):
         tile = first + it + tile_ar
         live = tile < num_tiles
-        if PREFETCH:
+        if W_DESC:  # a box past the last tile reads as zeros
+            w = qw_ptr.load([pid_n * BLOCK_N, first + it, 0])
+        elif PREFETCH:
             # The next tile's load is issued before this tile's math: two loads in flight per program.
             w = w_next
             ahead = tile + TILES
@@ -420,14 +427,20 @@ def _gemv_h2_kernel(
         else:
             w = _word_tiles(w_ptrs, tile, live, MASK_TILES)
         # x through a pointer tensor of the weight tile's shape (as in _gemv_kernel): the loads and the
-        # packing are shared by the rows a thread holds.
+        # packing are shared by the rows a thread holds. X_BCAST: x as [1, TILES, 16], broadcast over the rows
+        # in the dot; then a thread holds all BLOCK_N rows of its (tile, word) positions, loads each x once,
+        # and the 16-bit x loads stay out of a pipelined loop's shared-memory ring (staged in the weight tile's
+        # shape, x took 4x the weight tile's shared memory).
         if MASK_TILES and not MASK_X:
             # Tiles past the end read the last tile's x (in bounds, unmasked: the loads stay 128-bit; masked
             # loads came out as 16-bit ones) and their partial sums are dropped below.
             x_tile = tl.minimum(tile, num_tiles - 1)
         else:
             x_tile = tile
-        k0 = tl.broadcast_to(x_tile[None, :, None] * 128 + col[None, None, :], (BLOCK_N, TILES, _WORDS))
+        if X_BCAST:
+            k0 = x_tile[None, :, None] * 128 + col[None, None, :]
+        else:
+            k0 = tl.broadcast_to(x_tile[None, :, None] * 128 + col[None, None, :], (BLOCK_N, TILES, _WORDS))
         if NF4:  # plane pairs (0, 1), (2, 3), (4, 5), (6, 7)
             xp0 = _h2_x_pair(x_row, k0, K, 0, 1, MASK_X)
             xp1 = _h2_x_pair(x_row, k0, K, 2, 3, MASK_X)
@@ -813,14 +826,20 @@ def _launch_gemv(x, qweight, scales, zeros, codebook, bias, out, n, k, group_siz
             _x_to_fp16_kernel[(m, triton.cdiv(num_tiles, 8))](x, x16, x_scales, k, num_tiles, x.stride(0),
                                                                x16.stride(0), TILES=8, num_warps=4)
             x = x16
+        w_desc = bool(cfg.get("tma", False))
+        qw = qweight
+        if w_desc:  # TMA boxes of [block_n, tiles, 16] words (a host descriptor: encoded per launch, no scratch)
+            qw = TensorDescriptor(qweight, [qweight.shape[0], num_tiles, WORDS_PER_TILE],
+                                  [qweight.stride(0), WORDS_PER_TILE, 1], [block_n, tiles, WORDS_PER_TILE])
         _gemv_h2_kernel[grid](
-            x, x_scales, qweight, scales, _or(zeros, scales), _or(codebook, scales), _or(bias, scales), target,
+            x, x_scales, qw, scales, _or(zeros, scales), _or(codebook, scales), _or(bias, scales), target,
             n, k, num_tiles, per_split, group,
             x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
             HAS_ZERO=zeros is not None, PER_CHANNEL=group_size == -1, X_SCALED=x_scaled,
             NF4=codebook is not None, HALF_GROUPS=group_size == 64,
-            EMULATE=_interpreting(),
-            **dict(common, MASK_X=k % 128 != 0),  # masked tiles mask x per tile (MASK_TILES)
+            X_BCAST=bool(cfg.get("x_bcast", False)), W_DESC=w_desc, EMULATE=_interpreting(),
+            # masked tiles mask x per tile (MASK_TILES); descriptor boxes are loaded in the loop, not ahead
+            **dict(common, MASK_X=k % 128 != 0, PREFETCH=common["PREFETCH"] and not w_desc),
         )
     else:
         _gemv_kernel[grid](

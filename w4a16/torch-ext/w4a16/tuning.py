@@ -3,7 +3,9 @@ bucket) and a heuristic for shapes and GPUs without one. Nothing is tuned at imp
 
 A config is a dict: ``{"kernel": "gemv", "block_n", "tiles", "split_k", "num_warps", "num_stages", "prefetch",
 "half2"}`` (``half2``: run the packed-fp16 GEMV where it applies, see ``triton_kernels.half2_supported``;
-``True`` with the same tiles, or a dict of its own ``block_n`` / ``tiles`` / ``split_k`` / ... overrides),
+``True`` with the same tiles, or a dict of its own ``block_n`` / ``tiles`` / ``split_k`` / ... overrides, where
+``x_bcast`` loads x once per tile column and broadcasts it over the rows, and ``tma`` brings the weight tiles
+in by TMA; with ``num_stages`` > 1 either is software-pipelined through shared memory),
 ``{"kernel": "dot", "block_m", "block_n", "split_k", "swap_ab", "full_tile", "packed", "scale_weights",
 "num_warps", "num_stages"}`` (``packed``: operands made by integer ops where the format allows, see
 ``triton_kernels._unit_pair``; ``scale_weights``: group scales on the operand rather than the accumulator) or
@@ -67,10 +69,17 @@ def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = N
         # the fp32 GEMV's. On the H200 (2026-12-01) 8 rows x 8 tiles per program won on 9 of 12 decode shapes
         # (the least registers, so the most warps in flight), split-K where it keeps >= 16 tiles per split and
         # at most 8 programs per SM (Qwen2.5-1.5B down 4, Llama-3-8B down 2).
-        h2_split = max(s for s in (1, 2, 4, 8) if s == 1 or (programs * s <= 8 * sm_count and tiles // s >= 16))
+        half2 = {"block_n": 8, "tiles": 8, "num_warps": 4, "prefetch": False}
+        if k >= 8192 and n * k > 2**26:
+            # Long rows and >= 32 MB of codes: x broadcast over 16 rows and a 3-stage TMA ring of the weight
+            # tiles won on the H200 (2026-12-01, docs/design/w4a16.md E1b: Llama-3-70B qkv / gate_up / down
+            # 13-29 % faster); smaller or shorter-K shapes lost 5-35 % with it.
+            half2 = {"block_n": 16, "tiles": 8, "num_warps": 4, "prefetch": False, "num_stages": 3, "x_bcast": True,
+                     "tma": True}
+        h2_programs = rows // half2["block_n"]
+        h2_split = max(s for s in (1, 2, 4, 8) if s == 1 or (h2_programs * s <= 8 * sm_count and tiles // s >= 16))
         return {"kernel": "gemv", "block_n": block_n, "tiles": per_iter, "split_k": split,
-                "num_warps": 4, "num_stages": 1,
-                "half2": {"block_n": 8, "tiles": 8, "split_k": h2_split, "num_warps": 4, "prefetch": False}}
+                "num_warps": 4, "num_stages": 1, "half2": dict(half2, split_k=h2_split)}
     if m >= limits["dequant_min_m"]:
         return {"kernel": "dequant", "chunk_n": 4096 if m >= 1024 else 0}
     block_m, block_n = (16, 64) if m <= 16 else (64, 128) if m <= 64 else (128, 64)
