@@ -106,8 +106,9 @@ HALF2_FORMATS = [(False, 128), (True, 128), (False, -1), (True, -1), (True, 256)
 @pytest.mark.parametrize("tiles", [  # plain loads; x broadcast over the rows with a cp.async or a TMA ring
     {"block_n": 8, "split_k": 1, "prefetch": False}, {"block_n": 8, "split_k": 3, "prefetch": True},
     {"block_n": 16, "split_k": 3, "num_stages": 3, "x_bcast": True},
-    {"block_n": 16, "split_k": 1, "num_stages": 3, "x_bcast": True, "tma": True}],
-    ids=["plain", "split-prefetch", "bcast-cp-async-split", "bcast-tma"])
+    {"block_n": 16, "split_k": 1, "num_stages": 3, "x_bcast": True, "tma": True},
+    {"block_n": 16, "split_k": 3, "num_stages": 3, "x_bcast": True, "tma": True, "num_warps": 2}],
+    ids=["plain", "split-prefetch", "bcast-cp-async-split", "bcast-tma", "bcast-tma-2warps-split"])
 @pytest.mark.parametrize("dtype,x_scale", [(torch.float16, 1.0), (torch.float16, 3000.0), (torch.bfloat16, 1.0),
                                            (torch.bfloat16, 1e8)])
 def test_half2_gemv_vs_float64(k, zero_point, group_size, tiles, dtype, x_scale):
@@ -153,8 +154,9 @@ def test_packed_dot_vs_float64(k, zero_point, group_size, dtype, block_m, block_
 
 @pytest.mark.parametrize("group_size", [64, 128, -1])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("pipeline", [{}, {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True}],
-                         ids=["plain", "bcast-tma"])
+@pytest.mark.parametrize("pipeline", [{}, {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True},
+                                      {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True, "num_warps": 2}],
+                         ids=["plain", "bcast-tma", "bcast-tma-2warps"])
 def test_half2_gemv_nf4_vs_float64(k, group_size, dtype, pipeline):
     """NF4 through the packed-fp16 GEMV (codebook looked up with PRMT byte permutes, inline PTX), with groups
     of 64 (each half of a 128-column tile scaled apart), on poisoned outputs against float64."""

@@ -380,12 +380,13 @@ def _half2_candidates(rows: int, tiles: int, sm_count: int) -> list[dict]:
             splits += [s for s in (2, 4, 8) if -(-tiles // s) >= 2 and programs * s <= 16 * sm_count]
         out += [{"kernel": "gemv", "block_n": bn, "tiles": t, "split_k": s, "num_warps": w, "num_stages": 1,
                  "prefetch": pf, "half2": True} for s in splits]
-    # x broadcast over the rows with a 3-stage ring of the weight tiles (TMA or cp.async): the 2026-12-01 winners
-    # on the long-K Llama-3-70B shapes (docs/design/w4a16.md, E1b)
+    # x broadcast over the rows with a 3-stage ring of the weight tiles (TMA or cp.async), 2 or 4 warps: the
+    # 2026-12-01 winners on the long-K shapes (docs/design/w4a16.md, E1b / E1c)
     programs = rows // 16
     splits = [1] + [s for s in (2, 4) if programs * s <= 8 * sm_count and tiles // s >= 16]
-    out += [{"kernel": "gemv", "block_n": 16, "tiles": 8, "split_k": s, "num_warps": 4, "num_stages": 3,
-             "prefetch": False, "x_bcast": True, "tma": tma, "half2": True} for tma in (True, False) for s in splits]
+    out += [{"kernel": "gemv", "block_n": 16, "tiles": 8, "split_k": s, "num_warps": w, "num_stages": 3,
+             "prefetch": False, "x_bcast": True, "tma": tma, "half2": True}
+            for w, tma in ((2, True), (4, True), (4, False)) for s in splits]
     return out
 
 
@@ -523,21 +524,22 @@ OTHER_SHAPES = (  # (label, K, N): model shapes in no tuned table (Llama-2-7B / 
 
 
 def _pipeline_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[dict]:
-    """M = 1 packed-fp16 GEMV launches: x loaded once per (tile, word) and broadcast over the rows (`x_bcast`),
-    the weight tiles through a cp.async ring (`num_stages` > 1) or TMA boxes (`tma`), split-K where programs
-    are few."""
+    """M = 1 packed-fp16 GEMV launches with x broadcast over the rows (`x_bcast`) and the weight tiles through a
+    TMA ring (`tma`) or a cp.async ring: tile shapes, ring depths and warps around the 2026-12-01 winner (16 x 8,
+    3 stages, TMA), split-K where programs are few. (Runs 1-3 of docs/design/w4a16.md record the candidates
+    they timed in their output files.)"""
     if m != 1:
         return []
-    base = [  # (block_n, tiles, num_stages, tma)
-        (8, 8, 1, False), (8, 8, 2, False), (8, 8, 3, False), (8, 8, 4, False), (8, 16, 1, False),
-        (8, 16, 3, False), (16, 8, 1, False), (16, 8, 2, False), (16, 8, 3, False), (8, 8, 3, True), (8, 8, 4, True),
-        (16, 8, 3, True),
+    base = [  # (block_n, tiles, num_stages, tma, num_warps)
+        (16, 8, 3, True, 4), (16, 8, 4, True, 4), (16, 8, 5, True, 4), (8, 8, 5, True, 4), (16, 4, 4, True, 4),
+        (16, 4, 6, True, 4), (32, 4, 4, True, 4), (16, 8, 3, True, 8), (16, 16, 3, True, 8), (32, 8, 3, True, 8),
+        (16, 8, 3, True, 2), (16, 8, 4, False, 4),
     ]
     out = []
-    for bn, t, st, tma in base:
+    for bn, t, st, tma, w in base:
         programs = rows // bn
         splits = [1] + [s for s in (2, 4) if programs * s <= 8 * sm_count and tiles // s >= 16]
-        out += [{"kernel": "gemv", "block_n": bn, "tiles": t, "split_k": s, "num_warps": 4, "num_stages": st,
+        out += [{"kernel": "gemv", "block_n": bn, "tiles": t, "split_k": s, "num_warps": w, "num_stages": st,
                  "prefetch": False, "x_bcast": True, "tma": tma, "half2": True} for s in splits]
     return out
 

@@ -69,17 +69,17 @@ def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = N
         # the fp32 GEMV's. On the H200 (2026-12-01) 8 rows x 8 tiles per program won on 9 of 12 decode shapes
         # (the least registers, so the most warps in flight), split-K where it keeps >= 16 tiles per split and
         # at most 8 programs per SM (Qwen2.5-1.5B down 4, Llama-3-8B down 2).
-        half2 = {"block_n": 8, "tiles": 8, "num_warps": 4, "prefetch": False}
-        if k >= 8192 and n * k > 2**26:
-            # Long rows and >= 32 MB of codes: x broadcast over 16 rows and a 3-stage TMA ring of the weight
-            # tiles won on the H200 (2026-12-01, docs/design/w4a16.md E1b: Llama-3-70B qkv / gate_up / down
-            # 13-29 % faster); smaller or shorter-K shapes lost 5-35 % with it.
-            half2 = {"block_n": 16, "tiles": 8, "num_warps": 4, "prefetch": False, "num_stages": 3, "x_bcast": True,
-                     "tma": True}
-        h2_programs = rows // half2["block_n"]
-        h2_split = max(s for s in (1, 2, 4, 8) if s == 1 or (h2_programs * s <= 8 * sm_count and tiles // s >= 16))
+        h2_split = max(s for s in (1, 2, 4, 8) if s == 1 or (programs * s <= 8 * sm_count and tiles // s >= 16))
+        half2 = {"block_n": 8, "tiles": 8, "split_k": h2_split, "num_warps": 4, "prefetch": False}
+        if k >= 8192 and n >= 4096:
+            # Long rows: x broadcast over 16 rows, a 3-stage TMA ring of the weight tiles, 2 warps (127 registers,
+            # the most words per thread), no split; on the H200 (2026-12-01, docs/design/w4a16.md E1c) 6-29 %
+            # faster on the four Llama-3-70B shapes and Llama-2-7B down, even on Llama-3-8B down; shapes with
+            # K <= 4096 or few rows (Qwen2.5-1.5B down) lost 10-30 % with it.
+            half2 = {"block_n": 16, "tiles": 8, "split_k": 1, "num_warps": 2, "prefetch": False, "num_stages": 3,
+                     "x_bcast": True, "tma": True}
         return {"kernel": "gemv", "block_n": block_n, "tiles": per_iter, "split_k": split,
-                "num_warps": 4, "num_stages": 1, "half2": dict(half2, split_k=h2_split)}
+                "num_warps": 4, "num_stages": 1, "half2": half2}
     if m >= limits["dequant_min_m"]:
         return {"kernel": "dequant", "chunk_n": 4096 if m >= 1024 else 0}
     block_m, block_n = (16, 64) if m <= 16 else (64, 128) if m <= 64 else (128, 64)
