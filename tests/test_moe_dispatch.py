@@ -225,7 +225,10 @@ def test_strided_inputs(k, path):
     out = k.moe_forward(x, router_weight, w_gate_up, w_down_view, 3, **spec)
     ref = k.moe_forward(x.contiguous(), router_weight, w_gate_up, w_down, 3,
                         **{**spec, "correction_bias": bias.contiguous()})
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    # The kernels load the same values whatever the strides: bit-equal. The PyTorch path hands the views to
+    # CPU BLAS, whose summation order follows the memory layout: within one fp16 rounding (2^-10 relative).
+    exact = path == "triton"
+    torch.testing.assert_close(out, ref, rtol=0 if exact else 2**-10, atol=0 if exact else 1e-5)
 
 
 def test_deterministic(k, path):
