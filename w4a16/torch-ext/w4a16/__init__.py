@@ -13,8 +13,9 @@ from typing import Optional
 import torch
 
 from . import layers, ops
+from .checkpoints import from_pretrained, load_checkpoint
 from .formats import NF4_CODEBOOK, QuantizedWeight, load_quantized, quantize, save_quantized
-from .importers import from_awq, from_bnb_nf4, from_gptq
+from .importers import from_awq, from_bnb_nf4, from_compressed_tensors, from_gptq
 from .layers import W4A16Linear, quantize_model
 
 __all__ = [
@@ -24,8 +25,11 @@ __all__ = [
     "dequantize",
     "from_awq",
     "from_bnb_nf4",
+    "from_compressed_tensors",
     "from_gptq",
+    "from_pretrained",
     "layers",
+    "load_checkpoint",
     "load_quantized",
     "matmul",
     "quantize",

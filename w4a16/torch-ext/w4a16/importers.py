@@ -1,4 +1,4 @@
-"""Importers: GPTQ, AWQ and bitsandbytes-NF4 checkpoint tensors -> this kernel's `QuantizedWeight` layout.
+"""Importers: GPTQ, AWQ, compressed-tensors and bitsandbytes-NF4 checkpoint tensors -> this kernel's `QuantizedWeight` layout.
 
 These run once at load time (they may synchronize with the device); the converted weight is exact: the
 same codes, scales and zero points, only re-laid out.
@@ -8,6 +8,9 @@ same codes, scales and zero points, only re-laid out.
   ="gptq"`` (v1) stores ``zero - 1``; ``"gptq_v2"`` stores the zero itself.
 - AWQ: ``qweight`` int32 ``[K, N/8]`` and ``qzeros [G, N/8]`` packed along N with nibble i holding column
   ``8c + [0, 2, 4, 6, 1, 3, 5, 7][i]``; ``scales [G, N]``; zeros are stored as is.
+- compressed-tensors ``pack-quantized`` int4: ``weight_packed`` int32 ``[N, K/8]`` packed along K in
+  natural nibble order holding ``q + 8`` for the signed code q, ``weight_scale [N, G]``, optional
+  ``weight_zero_point`` int32 ``[N/8, G]`` packed along N the same way, ``weight_shape`` ``(N, K)``.
 - bitsandbytes NF4: the flattened ``[N, K]`` weight, two codes per byte with the first in the high nibble,
   one absmax per ``blocksize`` consecutive elements (optionally itself 8-bit quantized: "nested").
 """
@@ -61,6 +64,28 @@ def _group_size_for(k: int, groups: int, name: str) -> int:
     return group_size
 
 
+def _act_order(codes: torch.Tensor, g_idx: Optional[torch.Tensor], groups: int, group_size: int,
+               name: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Codes ``[N, K]`` and an act-order group index (input channel -> group) -> the codes with their
+    columns sorted by group and the permutation (None when the index is the natural one)."""
+    if g_idx is None:
+        return codes, None
+    k = codes.shape[1]
+    if g_idx.shape[0] != k:
+        raise ValueError(f"{name} must have K = {k} entries, got {g_idx.shape[0]}")
+    g_idx = g_idx.long()
+    if bool(((g_idx < 0) | (g_idx >= groups)).any()):
+        raise ValueError(f"{name} values must lie in [0, {groups}) (the groups of the scales)")
+    natural = torch.arange(k, device=g_idx.device) // (k if group_size == -1 else group_size)
+    if torch.equal(g_idx, natural):
+        return codes, None
+    counts = torch.bincount(g_idx, minlength=groups)
+    if bool((counts != k // groups).any()):
+        raise ValueError(f"{name} must assign exactly {k // groups} input channels to each group")
+    perm = torch.argsort(g_idx, stable=True)
+    return codes[:, perm], perm
+
+
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
               g_idx: Optional[torch.Tensor] = None, *, sym: bool = True,
               checkpoint_format: str = "gptq") -> QuantizedWeight:
@@ -90,20 +115,7 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     zeros = _unpack_along_last(qzeros, n)  # [G, N]
     if checkpoint_format == "gptq":
         zeros = zeros + 1
-    perm = None
-    if g_idx is not None:
-        if g_idx.shape[0] != k:
-            raise ValueError(f"g_idx must have K = {k} entries, got {g_idx.shape[0]}")
-        g_idx = g_idx.long()
-        if bool(((g_idx < 0) | (g_idx >= groups)).any()):
-            raise ValueError(f"g_idx values must lie in [0, {groups}) (the groups of scales)")
-        natural = torch.arange(k, device=g_idx.device) // (k if group_size == -1 else group_size)
-        if not torch.equal(g_idx, natural):
-            counts = torch.bincount(g_idx, minlength=groups)
-            if bool((counts != k // groups).any()):
-                raise ValueError(f"g_idx must assign exactly {k // groups} input channels to each group")
-            perm = torch.argsort(g_idx, stable=True)
-            codes = codes[:, perm]
+    codes, perm = _act_order(codes, g_idx, groups, group_size, "g_idx")
     if sym:
         if not bool((zeros == 8).all()):
             found = sorted(set(zeros.unique().tolist()))[:4]
@@ -131,6 +143,48 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) 
     codes = _nibbles(qweight)[..., order].reshape(k, n).t()
     zeros = _nibbles(qzeros)[..., order].reshape(groups, n)
     return from_codes(codes, scales, zeros, group_size=group_size, fmt="int4", dtype=scales.dtype)
+
+
+def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_shape,
+                            weight_zero_point: Optional[torch.Tensor] = None,
+                            weight_g_idx: Optional[torch.Tensor] = None) -> QuantizedWeight:
+    """Convert a compressed-tensors ``pack-quantized`` int4 linear (llm-compressor output) to this layout.
+
+    ``weight_shape`` is the stored ``(N, K)`` (a tensor or a pair); ``weight_zero_point`` is given for
+    asymmetric schemes and left out for symmetric ones; ``weight_g_idx`` for act-order ("group") checkpoints.
+    """
+    _check_tensor("weight_packed", weight_packed, (torch.int32,), 2)
+    _check_tensor("weight_scale", weight_scale, FLOAT_DTYPES, 2)
+    if weight_zero_point is not None:
+        _check_tensor("weight_zero_point", weight_zero_point, (torch.int32,), 2)
+    if weight_g_idx is not None:
+        _check_tensor("weight_g_idx", weight_g_idx, (torch.int32, torch.int64), 1)
+    _check_devices(weight_packed=weight_packed, weight_scale=weight_scale, weight_zero_point=weight_zero_point,
+                   weight_g_idx=weight_g_idx)
+    if isinstance(weight_shape, torch.Tensor):
+        weight_shape = weight_shape.tolist()
+    if len(tuple(weight_shape)) != 2:
+        raise ValueError(f"weight_shape must be (out_features, in_features), got {weight_shape}")
+    n, k = (int(s) for s in weight_shape)
+    if tuple(weight_packed.shape) != (n, -(-k // 8)):
+        raise ValueError(f"weight_packed must have shape {(n, -(-k // 8))} for weight_shape {(n, k)}, "
+                         f"got {tuple(weight_packed.shape)}")
+    groups = weight_scale.shape[1]
+    if weight_scale.shape[0] != n:
+        raise ValueError(f"weight_scale must have shape [{n}, groups], got {tuple(weight_scale.shape)}")
+    group_size = _group_size_for(k, groups, "weight_scale")
+    # Codes are the signed values plus 8, so symmetric weights are exactly this format's implicit zero 8,
+    # and (q - zero) of the signed pair equals the difference of the stored nibbles.
+    codes = _unpack_along_last(weight_packed, k)
+    zeros = None
+    if weight_zero_point is not None:
+        if tuple(weight_zero_point.shape) != (-(-n // 8), groups):
+            raise ValueError(f"weight_zero_point must have shape {(-(-n // 8), groups)} (N/8 packed, groups), "
+                             f"got {tuple(weight_zero_point.shape)}")
+        zeros = _unpack_along_last(weight_zero_point.t(), n)  # [G, N]
+    codes, perm = _act_order(codes, weight_g_idx, groups, group_size, "weight_g_idx")
+    return from_codes(codes, weight_scale.t(), zeros, group_size=group_size, fmt="int4", dtype=weight_scale.dtype,
+                      perm=perm)
 
 
 def from_bnb_nf4(weight: torch.Tensor, absmax: torch.Tensor, *, shape, blocksize: int = 64,

@@ -1,0 +1,354 @@
+"""Load a 4-bit checkpoint folder (GPTQ, AWQ GEMM, compressed-tensors pack-quantized) into a model.
+
+`load_checkpoint` takes a model built from the checkpoint's config (on the meta device or the CPU), reads
+the folder's quantization config, swaps every quantized ``nn.Linear`` for a `W4A16Linear` built through
+the importers (exact: the checkpoint's own codes, scales and zero points) and loads every other tensor.
+`from_pretrained` builds the model with transformers first. What the importers cannot represent exactly
+is refused with a ValueError naming the config field, never approximated.
+
+Which modules are quantized is read from the tensors (a ``qweight`` or ``weight_packed`` under the
+module's name), and group sizes from the scales' shapes: that is what the quantizing tool wrote, so
+``modules_to_not_convert`` / ``ignore`` lists and per-module overrides need no pattern matching here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .formats import FLOAT_DTYPES, QuantizedWeight
+from .importers import from_awq, from_compressed_tensors, from_gptq
+from .layers import W4A16Linear
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+# The tensor that marks a quantized linear, per method, and the tensors an importer reads: required, optional.
+_MARKER = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_packed"}
+_PARTS = {
+    "gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
+    "awq": (("qweight", "qzeros", "scales"), ()),
+    "compressed-tensors": (("weight_packed", "weight_scale", "weight_shape"), ("weight_zero_point", "weight_g_idx")),
+}
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """What `load_checkpoint` read from a folder's quantization config."""
+
+    method: str  # "gptq", "awq" or "compressed-tensors"
+    sym: bool = True  # GPTQ: every zero point is 8 (checked by from_gptq)
+    checkpoint_format: str = "gptq"  # GPTQ: "gptq" (v1, zeros stored minus 1) or "gptq_v2"
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _quantization_config(folder: str) -> dict:
+    """config.json's ``quantization_config``; else quantize_config.json (AutoGPTQ / GPTQModel) or
+    quant_config.json (AutoAWQ), which older tools write beside a config.json without one."""
+    config_path = os.path.join(folder, "config.json")
+    if os.path.isfile(config_path):
+        qc = _read_json(config_path).get("quantization_config")
+        if qc is not None:
+            return qc
+    for name in ("quantize_config.json", "quant_config.json"):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            return _read_json(path)
+    raise ValueError(f"{folder} has no quantization_config in config.json and no quantize_config.json or "
+                     f"quant_config.json: not a quantized checkpoint folder")
+
+
+def _require(condition: bool, field: str, value, supported: str) -> None:
+    if not condition:
+        raise ValueError(f"quantization_config.{field} = {value!r} is not supported: {supported}")
+
+
+def _gptq_scheme(qc: dict) -> Scheme:
+    bits = qc.get("bits")
+    _require(bits == 4, "bits", bits, "w4a16 holds 4-bit weights only")
+    # AutoGPTQ and transformers write "checkpoint_format", GPTQModel both it and "format": the tensor layout.
+    formats = {key: qc[key] for key in ("checkpoint_format", "format") if key in qc}
+    for key, value in formats.items():
+        _require(value in ("gptq", "gptq_v2"), key, value,
+                 "only the 'gptq' (v1) and 'gptq_v2' tensor layouts; marlin, bitblas, exllama-repacked, planar "
+                 "and other kernel-specific layouts are not read")
+    _require(len(set(formats.values())) <= 1, "format", formats, "checkpoint_format and format must agree")
+    fmt = next(iter(formats.values()), "gptq")
+    pack_dtype = qc.get("pack_dtype", "int32")
+    _require(pack_dtype == "int32", "pack_dtype", pack_dtype, "qweight / qzeros must be packed in int32")
+    sym = qc.get("sym", True)
+    _require(isinstance(sym, bool), "sym", sym, "sym must be true or false")
+    # GPTQModel's per-module overrides ("dynamic"): "-:" patterns leave modules unquantized (their tensors
+    # say so) and group sizes are read from the tensors, but other bits, or another sym than the global one
+    # (which decides whether zero points are checked and dropped), would change how tensors decode.
+    for pattern, override in (qc.get("dynamic") or {}).items():
+        if pattern.startswith("-:") or not isinstance(override, dict):
+            continue
+        for field, expected in (("bits", 4), ("sym", sym)):
+            value = override.get(field, expected)
+            _require(value == expected, f"dynamic[{pattern!r}].{field}", value,
+                     f"per-module overrides must keep {field} = {expected!r}")
+    return Scheme("gptq", sym=sym, checkpoint_format=fmt)
+
+
+def _awq_scheme(qc: dict) -> Scheme:
+    bits = qc.get("bits", qc.get("w_bit"))
+    _require(bits == 4, "bits", bits, "w4a16 holds 4-bit weights only")
+    # AutoAWQ and transformers write "version", GPTQModel "format": the tensor layout.
+    for key in ("version", "format"):
+        layout = str(qc.get(key, "gemm")).lower()
+        _require(layout == "gemm", key, layout,
+                 "only AWQ 'gemm' tensors; gemv, gemv_fast, exllama, marlin and ipex layouts are not read")
+    # zero_point = false (GPTQModel's symmetric AWQ) still stores qzeros (all 8), read as they are.
+    return Scheme("awq")
+
+
+def _compressed_tensors_scheme(qc: dict) -> Scheme:
+    fmt = qc.get("format")
+    _require(fmt == "pack-quantized", "format", fmt, "only compressed-tensors 'pack-quantized' int4")
+    status = qc.get("quantization_status")
+    _require(status == "compressed", "quantization_status", status, "the weights must be saved compressed")
+    for field in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        _require(not qc.get(field), field, qc.get(field), "only weight quantization is read")
+    groups = qc.get("config_groups") or {}
+    _require(bool(groups), "config_groups", groups, "at least one quantization scheme is needed")
+    for name, group in groups.items():
+        where = f"config_groups.{name}"
+        group_format = group.get("format") or fmt
+        _require(group_format == "pack-quantized", f"{where}.format", group_format,
+                 "only compressed-tensors 'pack-quantized' int4")
+        for acts in ("input_activations", "output_activations"):
+            _require(group.get(acts) is None, f"{where}.{acts}", group.get(acts),
+                     "w4a16 quantizes weights only (16-bit activations)")
+        weights = group.get("weights") or {}
+        checks = (("num_bits", weights.get("num_bits") == 4, "w4a16 holds 4-bit weights only"),
+                  ("type", weights.get("type") == "int", "integer weights only"),
+                  ("strategy", weights.get("strategy") in ("group", "channel"), "group or channel scales only"),
+                  ("dynamic", not weights.get("dynamic"), "static (stored) scales only"))
+        for field, ok, supported in checks:
+            _require(ok, f"{where}.weights.{field}", weights.get(field), supported)
+    return Scheme("compressed-tensors")
+
+
+def read_scheme(folder) -> Scheme:
+    """The folder's quantization config as a `Scheme`; a ValueError naming the field for anything the
+    loader does not read exactly (other bit widths, kernel-specific layouts, activation quantization)."""
+    qc = _quantization_config(os.fspath(folder))
+    method = str(qc.get("quant_method", "gptq")).lower()
+    readers = {"gptq": _gptq_scheme, "awq": _awq_scheme, "compressed-tensors": _compressed_tensors_scheme}
+    _require(method in readers, "quant_method", method, f"supported methods are {', '.join(readers)}")
+    return readers[method](qc)
+
+
+def _shard_files(folder: str) -> list[str]:
+    index = os.path.join(folder, _INDEX)
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        return [os.path.join(folder, f) for f in sorted(set(weight_map.values()))]
+    single = os.path.join(folder, _SINGLE)
+    if os.path.isfile(single):
+        return [single]
+    raise ValueError(f"{folder} has neither {_SINGLE} nor {_INDEX} (only safetensors checkpoints are read)")
+
+
+@contextmanager
+def _open_shards(files: list[str]):
+    """``{tensor name: safe_open handle}`` over all shards (tensors are read one at a time, on demand)."""
+    from safetensors import safe_open
+
+    with ExitStack() as stack:
+        where = {}
+        for path in files:
+            handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            for name in handle.keys():
+                if name in where:
+                    raise ValueError(f"tensor {name} is stored in more than one shard")
+                where[name] = handle
+        yield where
+
+
+def _import(scheme: Scheme, parts: dict) -> QuantizedWeight:
+    if scheme.method == "gptq":
+        return from_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"), sym=scheme.sym,
+                         checkpoint_format=scheme.checkpoint_format)
+    if scheme.method == "awq":
+        return from_awq(parts["qweight"], parts["qzeros"], parts["scales"])
+    return from_compressed_tensors(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"],
+                                   parts.get("weight_zero_point"), parts.get("weight_g_idx"))
+
+
+def _quantized_linear(model: nn.Module, prefix: str) -> nn.Linear:
+    """The model's ``nn.Linear`` that the checkpoint's quantized tensors under `prefix` belong to."""
+    if "experts" in prefix.split("."):
+        raise ValueError(f"{prefix}: quantized MoE expert tensors are not supported (moe-dispatch does not "
+                         f"take 4-bit experts yet)")
+    try:
+        module = model.get_submodule(prefix)
+    except AttributeError:
+        raise ValueError(f"the checkpoint has quantized tensors for {prefix}, which the model does not have "
+                         f"(was it built from this checkpoint's config?)") from None
+    if not isinstance(module, nn.Linear):
+        raise ValueError(f"the checkpoint quantizes {prefix}, which is a {type(module).__name__} in the model, "
+                         f"not an nn.Linear")
+    return module
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Load the quantized checkpoint in `folder` into `model` in place and return it.
+
+    `model` is built from the checkpoint's config (parameters on the meta device or anywhere else).
+    Every linear layer the checkpoint quantizes becomes a `W4A16Linear` on `device`; every other tensor
+    (embeddings, norms, biases, an unquantized lm_head) is loaded into the model, in `dtype` when given,
+    else in the dtype of the model's own parameter. A tied lm_head is tied again through the model's
+    ``tie_weights`` when the checkpoint does not store it. Scales keep the checkpoint's dtype (exact).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder must be a path (str or os.PathLike), got {type(folder).__name__}")
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+    device = torch.device(device)
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+    scheme = read_scheme(folder)
+    marker = "." + _MARKER[scheme.method]
+    with _open_shards(_shard_files(folder)) as where:
+        prefixes = sorted(name[: -len(marker)] for name in where if name.endswith(marker))
+        if not prefixes:
+            raise ValueError(f"{folder} is declared {scheme.method} but stores no '*{marker}' tensors")
+        linears = {prefix: _quantized_linear(model, prefix) for prefix in prefixes}
+        consumed = set()
+        for prefix, linear in linears.items():
+            parts = {}
+            required, optional = _PARTS[scheme.method]
+            for part in required + optional:
+                key = f"{prefix}.{part}"
+                if key in where:
+                    parts[part] = where[key].get_tensor(key)
+                    consumed.add(key)
+                elif part in required:
+                    raise ValueError(f"{prefix}: the checkpoint has no {key} ({scheme.method} needs "
+                                     f"{', '.join(required)})")
+            qweight = _import(scheme, parts)
+            if qweight.shape != (linear.out_features, linear.in_features):
+                raise ValueError(f"{prefix}: the checkpoint's weight is {qweight.shape} (out, in) but the model's "
+                                 f"nn.Linear is {(linear.out_features, linear.in_features)}")
+            bias_key = f"{prefix}.bias"
+            bias = None
+            if bias_key in where:
+                consumed.add(bias_key)
+                bias = where[bias_key].get_tensor(bias_key).to(dtype or linear.weight.dtype)
+            elif linear.bias is not None:
+                raise ValueError(f"{prefix} has a bias in the model but none in the checkpoint")
+            layer = W4A16Linear(qweight.to(device), None if bias is None else bias.to(device))
+            _set_module(model, prefix, layer)
+        dense = {name: handle for name, handle in where.items() if name not in consumed}
+        _load_dense(model, dense, tuple(f"{prefix}." for prefix in prefixes), device, dtype)
+    return model
+
+
+def _load_dense(model: nn.Module, where: dict, quantized: tuple[str, ...], device: torch.device,
+                dtype: Optional[torch.dtype]) -> None:
+    """Every remaining checkpoint tensor into the model's parameter or buffer of the same name; then a
+    check that every other tensor of the model was loaded, is tied to a loaded one, or is a quantized
+    layer's (prefixes in `quantized`): a model built on the CPU would otherwise keep random weights."""
+    targets = dict(model.named_parameters())
+    targets.update(model.named_buffers())
+    unexpected = sorted(name for name in where if name not in targets)
+    if unexpected:
+        raise ValueError(f"the checkpoint has tensors the model does not: {_listed(unexpected)} "
+                         f"(was the model built from this checkpoint's config?)")
+    state = {}
+    for name, handle in where.items():
+        tensor = handle.get_tensor(name)
+        target = targets[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"{name}: the checkpoint's tensor is {tuple(tensor.shape)}, the model's "
+                             f"{tuple(target.shape)}")
+        if tensor.is_floating_point():
+            tensor = tensor.to(dtype or target.dtype)
+        state[name] = tensor.to(device)
+    # assign=True puts the loaded tensors in place of meta parameters (copying into them would fail).
+    model.load_state_dict(state, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # transformers: a tied lm_head (not stored) points at the loaded embedding again
+    current = model.state_dict(keep_vars=True)
+    loaded = {current[name].untyped_storage().data_ptr() for name in state if not current[name].is_meta}
+    missing = [name for name, t in current.items()
+               if name not in state and not name.startswith(quantized)
+               and (t.is_meta or t.untyped_storage().data_ptr() not in loaded)]
+    if missing:
+        raise ValueError(f"the checkpoint has no tensor for {_listed(missing)}")
+    meta_buffers = [name for name, t in model.named_buffers() if t.is_meta]
+    if meta_buffers:
+        raise ValueError(f"buffers {_listed(meta_buffers)} are on the meta device and not in the checkpoint: "
+                         f"build the model with only its parameters on meta (as from_pretrained does)")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Parameters created inside go to the meta device, buffers stay where they are made: so a model
+    built inside allocates no weights, while computed buffers (rotary frequencies) keep their values."""
+    register = nn.Module.register_parameter
+
+    def to_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = to_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def from_pretrained(folder, *, dtype: torch.dtype = torch.float16, device="cpu", model_class=None) -> nn.Module:
+    """Build the transformers model of a quantized checkpoint folder and load it with `load_checkpoint`.
+
+    `model_class` is a transformers auto class or model class with ``from_config`` (by default
+    ``AutoModelForCausalLM``). The model is built from the folder's config.json with its parameters on
+    the meta device, so nothing is allocated before the checkpoint's tensors are read. Returns the model
+    in eval mode.
+    """
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder must be a path (str or os.PathLike), got {type(folder).__name__}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+    import transformers
+
+    folder = os.fspath(folder)
+    read_scheme(folder)  # refuse an unsupported checkpoint before building anything
+    config = transformers.AutoConfig.from_pretrained(folder)
+    # transformers would hand a quantization_config to its own GPTQ / AWQ / compressed-tensors quantizer,
+    # which needs optional CUDA packages; this loader reads the tensors itself.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model_class = transformers.AutoModelForCausalLM if model_class is None else model_class
+    if not hasattr(model_class, "from_config"):
+        raise TypeError(f"model_class must have from_config (a transformers model class), got {model_class!r}")
+    with _parameters_on_meta():
+        model = model_class.from_config(config, dtype=dtype)
+    return load_checkpoint(model, folder, device=device, dtype=dtype).eval()
