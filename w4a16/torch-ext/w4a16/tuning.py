@@ -8,7 +8,7 @@ A config is a dict: ``{"kernel": "gemv", "block_n", "tiles", "split_k", "num_war
 in by TMA; with ``num_stages`` > 1 either is software-pipelined through shared memory),
 ``{"kernel": "dot", "block_m", "block_n", "split_k", "swap_ab", "full_tile", "packed", "scale_weights",
 "num_warps", "num_stages"}`` (``packed``: operands made by integer ops where the format allows, see
-``triton_kernels._unit_pair``; ``scale_weights``: group scales on the operand rather than the accumulator) or
+``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the operand rather than the accumulator) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
 """
 

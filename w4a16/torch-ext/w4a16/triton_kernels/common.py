@@ -1,0 +1,41 @@
+"""What the kernel families share: the 2**23 magic for int -> float, word tiles, the split-K reduction."""
+
+import triton
+import triton.language as tl
+
+from ..formats import WORDS_PER_TILE
+
+_MAGIC_BITS = tl.constexpr(0x4B000000)
+_MAGIC = tl.constexpr(8388608.0)  # 2**23
+_WORDS = tl.constexpr(WORDS_PER_TILE)
+
+
+@triton.jit
+def _word_tiles(w_ptrs, tile, live, MASKED: tl.constexpr):
+    """The [BLOCK_N, TILES, 16] words of K-tiles `tile` (dead tiles read as 0 when MASKED); weights are
+    streamed once, so they are evicted first."""
+    offs = w_ptrs + tile[None, :, None] * _WORDS
+    if MASKED:
+        w = tl.load(offs, mask=live[None, :, None], other=0, eviction_policy="evict_first")
+    else:
+        w = tl.load(offs, eviction_policy="evict_first")
+    return w
+
+
+def _i32(bits: int) -> int:
+    """A 32-bit pattern as the signed int32 Triton takes as a constant."""
+    return bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N,
+                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum of the SPLIT fp32 partials in a fixed order (deterministic) + bias, cast once."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,222 @@
+"""The tensor-core kernel: tl.dot with the int4 / NF4 dequantization inside the K loop."""
+
+import triton
+import triton.language as tl
+
+from .common import _MAGIC, _MAGIC_BITS, _WORDS
+
+
+# Tensor-core operands from integer ops: a nibble shifted into the top 4 mantissa bits of 1.0 (fp16 0x3C00:
+# bits 6-9; bf16 0x3F80: bits 3-6) reads as exactly 1 + code / 16. Nibbles j and j + 4 of a word sit at bits
+# 4j and 16 + 4j, the two halves of a 32-bit pair, so one shift and one LOP3 ((w >> s) & mask | ones) make
+# two operands, with no int -> float conversion; one packed subtraction of 1 + zero / 16 then gives
+# (code - zero) / 16 exactly (at most 5 significant bits), and the factor 16 goes on the fp32 accumulator.
+@triton.jit
+def _unit_pair(w, SHIFT: tl.constexpr, BF16: tl.constexpr):
+    """Planes j and j + 4 of each word as 1 + code / 16 (SHIFT = 4 j - the mantissa position of the nibble)."""
+    if SHIFT >= 0:
+        t = w >> SHIFT
+    else:
+        t = w << -SHIFT
+    if BF16:
+        t = (t & 0x00780078) | 0x3F803F80
+        dtype = tl.bfloat16
+    else:
+        t = (t & 0x03C003C0) | 0x3C003C00
+        dtype = tl.float16
+    return t.to(tl.int16).to(dtype, bitcast=True), (t >> 16).to(tl.int16).to(dtype, bitcast=True)
+
+
+@triton.jit
+def _unit_planes(w, BF16: tl.constexpr):
+    """The 8 nibble planes of a word tile as 1 + code / 16 in fp16 (bf16 when BF16)."""
+    if BF16:
+        p0, p4 = _unit_pair(w, -3, True)
+        p1, p5 = _unit_pair(w, 1, True)
+        p2, p6 = _unit_pair(w, 5, True)
+        p3, p7 = _unit_pair(w, 9, True)
+    else:
+        p0, p4 = _unit_pair(w, -6, False)
+        p1, p5 = _unit_pair(w, -2, False)
+        p2, p6 = _unit_pair(w, 2, False)
+        p3, p7 = _unit_pair(w, 6, False)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _natural_order(p0, p1, p2, p3, p4, p5, p6, p7):
+    """8 planes [R, 16] (plane j: tile columns 16 j + c) as one [R, 128] tile in column order."""
+    # [R, 16, 2, 2, 2] with plane index 4 t2 + 2 t1 + t0 -> [R, t2, t1, t0, c] -> column 16 j + c
+    planes = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+    return tl.reshape(tl.permute(planes, (0, 4, 3, 2, 1)), (planes.shape[0], 128))
+
+
+@triton.jit
+def _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, J: tl.constexpr,
+           NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SCALE_ON_ACC: tl.constexpr):
+    """Nibble plane J of a [BLOCK_N, 16] word tile (K-columns 128 tile + 16 J + c) as fp32: ``code - zero``
+    (times its group's scale unless the scale is applied to the accumulator), or the NF4 value."""
+    code = (w >> (4 * J)) & 0xF
+    if not PER_CHANNEL:
+        param_offs = ((tile * 128 + J * 16) // group_size).to(tl.int64) * stride_sg + rows
+    if NF4:
+        v = tl.load(cb_ptr + code)
+    else:
+        v = (code | _MAGIC_BITS).to(tl.float32, bitcast=True)
+        if HAS_ZERO:
+            if not PER_CHANNEL:
+                zero = tl.load(z_ptr + param_offs).to(tl.float32)[:, None]
+            v = v - (zero + _MAGIC)
+        else:
+            v = v - (_MAGIC + 8.0)
+    if not SCALE_ON_ACC and not PER_CHANNEL:
+        v = v * tl.load(s_ptr + param_offs).to(tl.float32)[:, None]
+    return v
+
+
+@triton.jit
+def _dot_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
+    M, N, K, num_tiles, tiles_per_split, group_size,
+    stride_xm, stride_qn, stride_sg, stride_om, stride_split,
+    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SUBG: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_K: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
+    FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
+):
+    """Tensor-core path. Per K-tile either 8 dots of K=16 (one per nibble plane: a contiguous K run) or,
+    with FULL_TILE, the 8 planes interleaved back into natural K order and one dot of K=128.
+
+    With one scale group per tile (SCALE_ON_ACC) the dots take the exact integers ``code - zero`` and the
+    tile's partial product is scaled once; smaller groups scale the dequantized values. SWAP_AB computes
+    ``W @ x.T`` so the weight rows fill the MMA's M dimension when there are few tokens.
+
+    PACKED (int4 with whole-tile or per-channel groups): the planes are ``(code - zero) / 16`` made by one
+    integer instruction per weight and one packed subtraction per pair (`_unit_pair`), the 16 going on the
+    accumulator; with SCALE_WEIGHTS the group scale (times 16) is applied to the operand instead, so the
+    accumulator chain is never interrupted (larger M). On the H200 this takes ~30 % fewer instructions per
+    weight than the fp32 planes and won at every M from 16 to 256 (docs/benchmarks/w4a16-dot-attempt.md).
+    """
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    col = tl.arange(0, _WORDS)
+    w_ptrs = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn + col[None, :]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    first = pid_k * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, num_tiles)
+    zero = 0.0
+    if PACKED and not HAS_ZERO:
+        zero = tl.full([BLOCK_N, 1], 8.0, tl.float32)  # symmetric int4
+    if PER_CHANNEL:
+        scale = tl.load(s_ptr + rows).to(tl.float32)
+        if HAS_ZERO:
+            zero = tl.load(z_ptr + rows).to(tl.float32)[:, None]
+    if UPCAST:
+        dot_dtype = tl.float32
+    else:
+        dot_dtype = x_ptr.dtype.element_ty
+    for tile in tl.range(first, last, num_stages=STAGES):
+        w = tl.load(w_ptrs + tile * _WORDS, eviction_policy="evict_first")
+        if SCALE_ON_ACC:
+            part = tl.zeros_like(acc)
+        else:
+            part = acc
+        group_offs = ((tile * 128) // group_size).to(tl.int64) * stride_sg + rows  # the tile's first group
+        if PACKED or FULL_TILE:  # one K=128 dot: the x tile in column order
+            kk = tile * 128 + tl.arange(0, 128)
+            if MASK_K:
+                xk = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+            else:
+                xk = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+        if PACKED:
+            tile_zero = zero
+            if HAS_ZERO and not PER_CHANNEL:
+                tile_zero = tl.load(z_ptr + group_offs)[:, None]
+            unit_zero = (1.0 + tile_zero.to(tl.float32) * 0.0625).to(dot_dtype)  # exact: 1 + z / 16
+            u0, u1, u2, u3, u4, u5, u6, u7 = _unit_planes(w, dot_dtype == tl.bfloat16)
+            wt = _natural_order(u0 - unit_zero, u1 - unit_zero, u2 - unit_zero, u3 - unit_zero,
+                                u4 - unit_zero, u5 - unit_zero, u6 - unit_zero, u7 - unit_zero)
+            if SCALE_WEIGHTS:  # the group's scale times 16 on the operand, rounded once like a dequantized weight
+                wt = wt * (tl.load(s_ptr + group_offs).to(tl.float32) * 16.0).to(dot_dtype)[:, None]
+            wt = wt.to(dot_dtype)
+            xt = xk.to(dot_dtype)
+            if SWAP_AB:
+                part = tl.dot(wt, tl.trans(xt), part)
+            else:
+                part = tl.dot(xt, tl.trans(wt), part)
+        elif FULL_TILE:
+            p0 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 0, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p1 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 1, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p2 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 2, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p3 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 3, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p4 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 4, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p5 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 5, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p6 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 6, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            p7 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 7, NF4, HAS_ZERO,
+                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+            wt = _natural_order(p0, p1, p2, p3, p4, p5, p6, p7)
+            if SWAP_AB:
+                part = tl.dot(wt, tl.trans(xk.to(dot_dtype)), part)
+            else:
+                part = tl.dot(xk.to(dot_dtype), tl.trans(wt), part)
+        else:
+            for j in tl.static_range(8):
+                kj = tile * 128 + j * 16 + col
+                if MASK_K:
+                    xj = tl.load(x_rows + kj[None, :], mask=m_ok[:, None] & (kj < K)[None, :], other=0.0)
+                else:
+                    xj = tl.load(x_rows + kj[None, :], mask=m_ok[:, None], other=0.0)
+                wd = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, j, NF4, HAS_ZERO,
+                            PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+                if SWAP_AB:
+                    part = tl.dot(wd, tl.trans(xj.to(dot_dtype)), part)
+                else:
+                    part = tl.dot(xj.to(dot_dtype), tl.trans(wd), part)
+        if SCALE_ON_ACC:
+            s = tl.load(s_ptr + group_offs).to(tl.float32)
+            if SWAP_AB:
+                acc += part * s[:, None]
+            else:
+                acc += part * s[None, :]
+        else:
+            acc = part
+    row_ok = rows < N
+    if PACKED and not SCALE_WEIGHTS:  # the operands were (q - z) / 16
+        acc = acc * 16.0
+    if SWAP_AB:
+        if PER_CHANNEL:
+            acc = acc * scale[:, None]
+        out_offs = offs_m.to(tl.int64)[None, :] * stride_om + rows[:, None]
+        out_mask = m_ok[None, :] & row_ok[:, None]
+    else:
+        if PER_CHANNEL:
+            acc = acc * scale[None, :]
+        out_offs = offs_m.to(tl.int64)[:, None] * stride_om + rows[None, :]
+        out_mask = m_ok[:, None] & row_ok[None, :]
+    if not PARTIAL:
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            if SWAP_AB:
+                acc += bias[:, None]
+            else:
+                acc += bias[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr + pid_k.to(tl.int64) * stride_split + out_offs, acc, mask=out_mask)

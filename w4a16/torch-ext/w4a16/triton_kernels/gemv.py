@@ -1,0 +1,447 @@
+"""GEMV kernels for a few tokens on CUDA cores: the portable fp32 `_gemv_kernel` and the packed-fp16
+`_gemv_h2_kernel` (NVIDIA, inline PTX; fp16 x, or bf16 x through `_x_to_fp16_kernel`; int4 and NF4)."""
+
+import triton
+import triton.language as tl
+
+from .common import _MAGIC, _MAGIC_BITS, _WORDS, _i32, _word_tiles
+
+
+@triton.jit
+def _store_gemv_rows(result, rows, N, m, pid_k, bias_ptr, out_ptr, stride_om, stride_split,
+                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """A GEMV program's fp32 row results: with the bias into the output, or as this split's partials."""
+    row_ok = rows < N
+    if not PARTIAL:
+        if HAS_BIAS:
+            result += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + rows, result.to(out_ptr.dtype.element_ty), mask=row_ok)
+    else:
+        tl.store(out_ptr + pid_k.to(tl.int64) * stride_split + m * stride_om + rows, result, mask=row_ok)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
+    N, K, num_tiles, tiles_per_split, group_size,
+    stride_xm, stride_qn, stride_sg, stride_om, stride_split,
+    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SUBG: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """One token row per program row (grid axis 2), BLOCK_N output rows, TILES K-tiles per iteration.
+
+    The [BLOCK_N, TILES, 16] word tile is loaded with 128-bit loads; each nibble position j is a
+    contiguous run of 16 K-columns per word group, multiplied by the matching x run. Partial sums are
+    reduced once per scale group and scaled there (one multiply per group, not per weight).
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile_ar = tl.arange(0, TILES)
+    col = tl.arange(0, _WORDS)
+    w_ptrs = qw_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + col[None, None, :]
+    x_row = x_ptr + m * stride_xm
+    first = pid_k * tiles_per_split
+    acc = tl.zeros([BLOCK_N, TILES], dtype=tl.float32)
+    if PER_CHANNEL:
+        scale = tl.load(s_ptr + rows).to(tl.float32)
+        if HAS_ZERO:
+            zero = tl.load(z_ptr + rows).to(tl.float32)[:, None, None]
+    if PREFETCH:
+        w_next = _word_tiles(w_ptrs, first + tile_ar, (first + tile_ar < num_tiles) & (tile_ar < tiles_per_split), True)
+    for it in tl.range(0, tiles_per_split, TILES, num_stages=STAGES):
+        tile = first + it + tile_ar
+        live = tile < num_tiles
+        if PREFETCH:
+            # The next tile's load is issued before this tile's math: two loads in flight per program.
+            w = w_next
+            ahead = tile + TILES
+            w_next = _word_tiles(w_ptrs, ahead, (ahead < num_tiles) & (it + TILES + tile_ar < tiles_per_split), True)
+        else:
+            w = _word_tiles(w_ptrs, tile, live, MASK_TILES)
+        # x is loaded through a pointer tensor of the weight tile's shape (constant along rows), so it gets the
+        # weight tile's register layout: a [TILES, 16] x tile needs a shared-memory layout conversion (two
+        # barriers and a serialized load) per nibble plane; removing them made the GEMV ~12% faster on the H200.
+        k0 = tl.broadcast_to(tile[None, :, None] * 128 + col[None, None, :], (BLOCK_N, TILES, _WORDS))
+        part = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+        for j in tl.static_range(8):
+            kj = k0 + j * 16
+            if MASK_X:
+                xj = tl.load(x_row + kj, mask=kj < K, other=0.0).to(tl.float32)
+            else:
+                xj = tl.load(x_row + kj).to(tl.float32)
+            if HAS_ZERO and not PER_CHANNEL and (j * 16) % SUBG == 0:
+                group = (tile * 128 + j * 16) // group_size
+                zero = tl.load(z_ptr + group[None, :].to(tl.int64) * stride_sg + rows[:, None],
+                               mask=live[None, :], other=0).to(tl.float32)[:, :, None]
+            if j == 4:
+                w_hi = w >> 16
+            if NF4:
+                if j < 4:
+                    code = (w >> (4 * j)) & 0xF
+                else:
+                    code = (w_hi >> (4 * (j - 4))) & 0xF
+                part += tl.load(cb_ptr + code) * xj
+            else:
+                weight = 1 << (4 * (j % 4))
+                if j < 4:
+                    bits = w & (0xF << (4 * j))
+                else:
+                    bits = w_hi & (0xF << (4 * (j - 4)))
+                f = (bits | _MAGIC_BITS).to(tl.float32, bitcast=True)
+                if HAS_ZERO:
+                    f = f - (zero * weight + _MAGIC)
+                else:
+                    f = f - (_MAGIC + 8.0 * weight)
+                part += f * (xj * (1.0 / weight))
+            if ((j + 1) * 16) % SUBG == 0:  # a scale group ends: scale its partial sums once
+                psum = tl.sum(part, axis=2)
+                if PER_CHANNEL:
+                    acc += psum
+                else:
+                    group = (tile * 128 + j * 16) // group_size
+                    s = tl.load(s_ptr + group[None, :].to(tl.int64) * stride_sg + rows[:, None],
+                                mask=live[None, :], other=0.0)
+                    acc += psum * s.to(tl.float32)
+                part = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+    result = tl.sum(acc, axis=1)
+    if PER_CHANNEL:
+        result = result * scale
+    _store_gemv_rows(result, rows, N, m, pid_k, bias_ptr, out_ptr, stride_om, stride_split, HAS_BIAS, PARTIAL)
+
+
+# Packed-fp16 GEMV (CUDA only, inline PTX). One 32-bit word holds nibbles j and j + 4 of its K positions in
+# its two 16-bit halves (bits 4j.. and 16 + 4j..), so one LOP3 ((w & 0x000F000F) | 0x64006400) makes the
+# fp16 pair (1024 + n_j, 1024 + n_{j+4}); planes 1 and 3 are masked without a shift (1024 + 16 n). One HFMA2
+# per pair then gives (n - zero) / 16 exactly: (1024 + n) / 16 - (64 + z / 16) and (1024 + 16 n) / 256 -
+# (4 + z / 16) are both exact in fp16. The / 16 (undone once on the fp32 result) keeps the fp16 products
+# and the 8-term partial sums finite for |x| up to ~16k even when every term has the same sign (8 terms
+# of at most 8 |x| / 16 each, symmetric codes) and is harmless for small |x| (subnormals start below
+# |x| ~ 2^-10). Per word (8 weights): 4 LOP3 + 1 SHF + 4 HFMA2 (dequant) + 4 HMUL2/HFMA2 (with packed
+# x pairs) + 1 HADD2 + 1 convert, then one fp32 FFMA with the group's scale in Triton: 2 instructions per
+# weight for the word math (the whole K loop of the H200's winning tiles, index math and x packing included:
+# 4.1 SASS instructions per weight, against 6.6 for `_gemv_kernel`). Accuracy: each product and each of
+# the 8 partial additions is rounded to fp16 (2^-11 relative), then everything is accumulated in fp32;
+# simulated and measured relative errors stay ~2x the fp16 rounding of the output itself
+# (docs/benchmarks/w4a16-gemv-attempt.md).
+_H2_ASM = tl.constexpr("""
+{
+.reg .b32 t0, t1, t2, t3, w8, p, m1, m2, mg, k16, k256;
+.reg .b16 lo, hi;
+mov.b32 m1, 0x000F000F;
+mov.b32 m2, 0x00F000F0;
+mov.b32 mg, 0x64006400;
+mov.b32 k16, 0x2C002C00;
+mov.b32 k256, 0x1C001C00;
+lop3.b32 t0, $1, m1, mg, 0xEA;
+lop3.b32 t1, $1, m2, mg, 0xEA;
+shr.u32 w8, $1, 8;
+lop3.b32 t2, w8, m1, mg, 0xEA;
+lop3.b32 t3, w8, m2, mg, 0xEA;
+fma.rn.f16x2 t0, t0, k16, $2;
+fma.rn.f16x2 t1, t1, k256, $3;
+fma.rn.f16x2 t2, t2, k16, $2;
+fma.rn.f16x2 t3, t3, k256, $3;
+mul.rn.f16x2 p, t0, $4;
+fma.rn.f16x2 p, t1, $5, p;
+fma.rn.f16x2 p, t2, $6, p;
+fma.rn.f16x2 p, t3, $7, p;
+mov.b32 {lo, hi}, p;
+add.rn.f16 lo, lo, hi;
+cvt.f32.f16 $0, lo;
+}
+""")
+_ZLO_SYM = tl.constexpr(_i32(0xD408D408))  # fp16 pair -(64 + 8/16): the symmetric zero point 8
+_ZHI_SYM = tl.constexpr(_i32(0xC480C480))  # fp16 pair -(4 + 8/16)
+
+
+@triton.jit
+def _h2_pack(a, b):
+    """Two fp16 tensors as one int32 tensor of fp16 pairs (a in the low half)."""
+    lo = a.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = b.to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return lo | hi
+
+
+@triton.jit
+def _h2_low(v):
+    """The fp16 in the low half of each int32, as fp32 (interpreter emulation only)."""
+    return (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _h2_zero_pairs(zero):
+    """fp16 pairs -(64 + z/16) and -(4 + z/16) for a float zero point z (exact in fp16 for 0 <= z <= 16)."""
+    zlo = (-(64.0 + zero * 0.0625)).to(tl.float16)
+    zhi = (-(4.0 + zero * 0.0625)).to(tl.float16)
+    return _h2_pack(zlo, zlo), _h2_pack(zhi, zhi)
+
+
+@triton.jit
+def _pick4(J: tl.constexpr, a, b, c, d):
+    """Operand J of four (a choice made at compile time, for unrolled loops over packed x pairs)."""
+    if J == 0:
+        picked = a
+    elif J == 1:
+        picked = b
+    elif J == 2:
+        picked = c
+    else:
+        picked = d
+    return picked
+
+
+@triton.jit
+def _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
+    """sum_j (code_j - zero) / 16 * x_j over the 8 nibbles of each word, as fp32 (see _H2_ASM).
+
+    xp_J packs the x of nibbles J (low half) and J + 4 (high half). EMULATE (the interpreter, which cannot
+    run inline PTX) computes the same sum in fp32 from the same packed operands."""
+    if EMULATE:
+        zero16 = -64.0 - _h2_low(zlo)  # z / 16
+        part = tl.zeros(w.shape, dtype=tl.float32)
+        for j in tl.static_range(4):
+            xp = _pick4(j, xp0, xp1, xp2, xp3)
+            lo = ((w >> (4 * j)) & 0xF).to(tl.float32) * 0.0625 - zero16
+            hi = ((w >> (16 + 4 * j)) & 0xF).to(tl.float32) * 0.0625 - zero16
+            part += lo * _h2_low(xp) + hi * _h2_low(xp >> 16)
+        return part
+    else:
+        return tl.inline_asm_elementwise(_H2_ASM, "=f,r,r,r,r,r,r,r", [w, zlo, zhi, xp0, xp1, xp2, xp3],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+# NF4 in the packed-fp16 GEMV: a byte-permute (PRMT) looks up 4 bytes at once in an 8-byte table, so the 16
+# codebook values / 16, as fp16, live in 8 registers: their low bytes (entries 0-3, 4-7, 8-11, 12-15) and their
+# high bytes. Per 4 nibbles: 4 PRMT look up both bytes in both table halves, 1 PRMT turns bit 3 of each nibble
+# into a byte mask (selector 0xC replicates the sign of a 0x80 byte), 2 LOP3 pick the half, 2 PRMT interleave
+# low and high bytes into the fp16 pairs of nibbles (0, 1) and (2, 3). Nibbles 0-3 and 4-7 of a word are the
+# tile's columns 0-63 and 64-127, so each half is summed apart (scale groups of 64 work).
+_NF4_HALF_ASM = """
+and.b32 s, W, 0x7777;
+shr.b32 b, W, 3;
+and.b32 b, b, 0x1111;
+mul.lo.u32 b, b, 12;
+prmt.b32 m, 0, k80, b;
+prmt.b32 la, $3, $4, s;
+prmt.b32 lb, $5, $6, s;
+prmt.b32 ha, $7, $8, s;
+prmt.b32 hb, $9, $10, s;
+lop3.b32 lo, la, lb, m, 0xD8;
+lop3.b32 hi, ha, hb, m, 0xD8;
+prmt.b32 p, lo, hi, 0x5140;
+prmt.b32 q, lo, hi, 0x7362;
+mul.rn.f16x2 t, p, XA;
+fma.rn.f16x2 t, q, XB, t;
+mov.b32 {l16, h16}, t;
+add.rn.f16 l16, l16, h16;
+cvt.f32.f16 OUT, l16;
+"""
+_NF4_ASM = tl.constexpr(
+    "{\n.reg .b32 s, b, m, la, lb, ha, hb, lo, hi, p, q, t, k80, w2;\n.reg .b16 l16, h16;\n"
+    "mov.b32 k80, 0x80808080;\n"
+    + _NF4_HALF_ASM.replace("W", "$2").replace("XA", "$11").replace("XB", "$12").replace("OUT", "$0")
+    + "shr.b32 w2, $2, 16;\n"
+    + _NF4_HALF_ASM.replace("W", "w2").replace("XA", "$13").replace("XB", "$14").replace("OUT", "$1")
+    + "}")
+
+
+@triton.jit
+def _nf4_byte(cb_ptr, i: tl.constexpr, HIGH: tl.constexpr):
+    """Byte HIGH of codebook entry i / 16 as fp16, in bits 8 (i % 4) and up."""
+    bits = (tl.load(cb_ptr + i) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    if HIGH:
+        bits = bits >> 8
+    return (bits & 0xFF) << (8 * (i % 4))
+
+
+@triton.jit
+def _nf4_quad(cb_ptr, q: tl.constexpr, HIGH: tl.constexpr):
+    """One PRMT table register: byte HIGH of entries 4q .. 4q + 3."""
+    return (_nf4_byte(cb_ptr, 4 * q, HIGH) | _nf4_byte(cb_ptr, 4 * q + 1, HIGH) | _nf4_byte(cb_ptr, 4 * q + 2, HIGH)
+            | _nf4_byte(cb_ptr, 4 * q + 3, HIGH))
+
+
+@triton.jit
+def _nf4_tables(cb_ptr):
+    """The 8 PRMT table registers of the codebook / 16 as fp16 (see _NF4_ASM): low bytes of entries 0-3,
+    4-7, 8-11, 12-15, then high bytes. Built from scalar loads, which ptxas keeps in ordinary registers (built
+    with a reduction they sat in uniform registers and every PRMT copied them out first)."""
+    return (_nf4_quad(cb_ptr, 0, False), _nf4_quad(cb_ptr, 1, False), _nf4_quad(cb_ptr, 2, False),
+            _nf4_quad(cb_ptr, 3, False), _nf4_quad(cb_ptr, 0, True), _nf4_quad(cb_ptr, 1, True),
+            _nf4_quad(cb_ptr, 2, True), _nf4_quad(cb_ptr, 3, True))
+
+
+@triton.jit
+def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
+    """sum_j codebook[code_j] / 16 * x_j over nibbles 0-3 and over 4-7 of each word, as two fp32 tensors.
+    xp_J packs the x of nibbles 2J (low half) and 2J + 1. EMULATE computes the same in fp32."""
+    if EMULATE:
+        lo = tl.zeros(w.shape, dtype=tl.float32)
+        hi = tl.zeros(w.shape, dtype=tl.float32)
+        for j in tl.static_range(4):
+            xp = _pick4(j, xp0, xp1, xp2, xp3)
+            even = tl.load(cb_ptr + ((w >> (8 * j)) & 0xF)) * 0.0625
+            odd = tl.load(cb_ptr + ((w >> (8 * j + 4)) & 0xF)) * 0.0625
+            term = even * _h2_low(xp) + odd * _h2_low(xp >> 16)
+            if j < 2:
+                lo += term
+            else:
+                hi += term
+        return lo, hi
+    else:
+        l0, l1, l2, l3, h0, h1, h2, h3 = tables
+        return tl.inline_asm_elementwise(
+            _NF4_ASM, "=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [w, tl.broadcast_to(l0, w.shape), tl.broadcast_to(l1, w.shape), tl.broadcast_to(l2, w.shape),
+             tl.broadcast_to(l3, w.shape), tl.broadcast_to(h0, w.shape), tl.broadcast_to(h1, w.shape),
+             tl.broadcast_to(h2, w.shape), tl.broadcast_to(h3, w.shape), xp0, xp1, xp2, xp3],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _h2_x_pair(x_row, k0, K, JA: tl.constexpr, JB: tl.constexpr, MASK_X: tl.constexpr):
+    """x at K-columns k0 + 16 JA (low half) and k0 + 16 JB (high half), packed: the operand of planes JA, JB."""
+    ka = k0 + JA * 16
+    kb = k0 + JB * 16
+    if MASK_X:
+        xa = tl.load(x_row + ka, mask=ka < K, other=0.0)
+        xb = tl.load(x_row + kb, mask=kb < K, other=0.0)
+    else:
+        xa = tl.load(x_row + ka)
+        xb = tl.load(x_row + kb)
+    # Integer packing (AND + shift-add), not an inline `mov.b32 {a, b}`: LLVM shares the integer form between
+    # the rows a thread holds, the inline form was repeated per row (PTX / SASS of triton 3.9 for sm_90).
+    return _h2_pack(xa, xb)
+
+
+@triton.jit
+def _x_to_fp16_kernel(x_ptr, xh_ptr, xs_ptr, K, num_tiles, stride_xm, stride_hm, TILES: tl.constexpr):
+    """bf16 activations as fp16 for `_gemv_h2_kernel`: each 128-column tile times a power of two that puts its
+    largest |x| in [2^10, 2^11), so bf16's 8-bit significands convert exactly and the packed-fp16 products
+    and partial sums stay finite (see _H2_ASM); ``xs`` gets the inverse scale per (row, tile)."""
+    m = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1) * TILES + tl.arange(0, TILES)
+    cols = tile[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + m * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+    exponent = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased, of max |x|
+    # 2^(137 - exponent) as fp32 bits; clamped to a normal float (all-zero or tiny tiles get 2^127)
+    scale = (tl.minimum(tl.maximum(264 - exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
+    tl.store(xh_ptr + m * stride_hm + cols, (x * scale[:, None]).to(tl.float16), mask=cols < K)
+    tl.store(xs_ptr + m * num_tiles + tile, 1.0 / scale, mask=tile < num_tiles)
+
+
+@triton.jit
+def _gemv_h2_kernel(
+    x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
+    N, K, num_tiles, tiles_per_split, group_size,
+    stride_xm, stride_qn, stride_sg, stride_om, stride_split,
+    HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, X_SCALED: tl.constexpr, NF4: tl.constexpr,
+    HALF_GROUPS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    X_BCAST: tl.constexpr, W_DESC: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
+    `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
+    bf16 activations made fp16 by `_x_to_fp16_kernel`, with each tile's scale undone from ``xs``). NF4
+    looks the codebook up with `_NF4_ASM` instead, with groups of 64 too (HALF_GROUPS).
+
+    Every (row, tile, word) element keeps its own fp32 accumulator (one FFMA with its group's scale per
+    word); the reductions over words and tiles happen once, after the K loop.
+
+    STAGES > 1 software-pipelines the weight tiles through a shared-memory ring (cp.async, or with W_DESC a
+    TMA descriptor ``qw_ptr`` over ``[rows, num_tiles, 16]`` words, boxes of [BLOCK_N, TILES, 16]).
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile_ar = tl.arange(0, TILES)
+    col = tl.arange(0, _WORDS)
+    if not W_DESC:
+        w_ptrs = qw_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + col[None, None, :]
+    x_row = x_ptr + m * stride_xm
+    first = pid_k * tiles_per_split
+    acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+    zlo = tl.full([BLOCK_N, TILES, _WORDS], _ZLO_SYM, tl.int32)
+    zhi = tl.full([BLOCK_N, TILES, _WORDS], _ZHI_SYM, tl.int32)
+    if PER_CHANNEL:
+        scale = tl.load(s_ptr + rows).to(tl.float32)
+        if HAS_ZERO:
+            zlo, zhi = _h2_zero_pairs(tl.load(z_ptr + rows).to(tl.float32)[:, None, None] + acc)
+    tables = 0
+    if NF4 and not EMULATE:
+        tables = _nf4_tables(cb_ptr)
+    if PREFETCH:
+        w_next = _word_tiles(w_ptrs, first + tile_ar, (first + tile_ar < num_tiles) & (tile_ar < tiles_per_split), True)
+    for it in tl.range(0, tiles_per_split, TILES, num_stages=STAGES):
+        tile = first + it + tile_ar
+        live = tile < num_tiles
+        if W_DESC:  # a box past the last tile reads as zeros
+            w = qw_ptr.load([pid_n * BLOCK_N, first + it, 0])
+        elif PREFETCH:
+            # The next tile's load is issued before this tile's math: two loads in flight per program.
+            w = w_next
+            ahead = tile + TILES
+            w_next = _word_tiles(w_ptrs, ahead, (ahead < num_tiles) & (it + TILES + tile_ar < tiles_per_split), True)
+        else:
+            w = _word_tiles(w_ptrs, tile, live, MASK_TILES)
+        # x through a pointer tensor of the weight tile's shape (as in _gemv_kernel): the loads and the
+        # packing are shared by the rows a thread holds. X_BCAST: x as [1, TILES, 16], broadcast over the rows
+        # in the dot; then a thread holds all BLOCK_N rows of its (tile, word) positions, loads each x once,
+        # and the 16-bit x loads stay out of a pipelined loop's shared-memory ring (staged in the weight tile's
+        # shape, x took 4x the weight tile's shared memory).
+        if MASK_TILES and not MASK_X:
+            # Tiles past the end read the last tile's x (in bounds, unmasked: the loads stay 128-bit; masked
+            # loads came out as 16-bit ones) and their partial sums are dropped below.
+            x_tile = tl.minimum(tile, num_tiles - 1)
+        else:
+            x_tile = tile
+        if X_BCAST:
+            k0 = x_tile[None, :, None] * 128 + col[None, None, :]
+        else:
+            k0 = tl.broadcast_to(x_tile[None, :, None] * 128 + col[None, None, :], (BLOCK_N, TILES, _WORDS))
+        if NF4:  # plane pairs (0, 1), (2, 3), (4, 5), (6, 7)
+            xp0 = _h2_x_pair(x_row, k0, K, 0, 1, MASK_X)
+            xp1 = _h2_x_pair(x_row, k0, K, 2, 3, MASK_X)
+            xp2 = _h2_x_pair(x_row, k0, K, 4, 5, MASK_X)
+            xp3 = _h2_x_pair(x_row, k0, K, 6, 7, MASK_X)
+        else:  # plane pairs (j, j + 4)
+            xp0 = _h2_x_pair(x_row, k0, K, 0, 4, MASK_X)
+            xp1 = _h2_x_pair(x_row, k0, K, 1, 5, MASK_X)
+            xp2 = _h2_x_pair(x_row, k0, K, 2, 6, MASK_X)
+            xp3 = _h2_x_pair(x_row, k0, K, 3, 7, MASK_X)
+        if not PER_CHANNEL:
+            param_offs = ((tile * 128) // group_size)[None, :].to(tl.int64) * stride_sg + rows[:, None]
+            if HAS_ZERO:
+                zero = tl.load(z_ptr + param_offs, mask=live[None, :], other=0).to(tl.float32)[:, :, None]
+                zlo, zhi = _h2_zero_pairs(zero + tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32))
+        if PER_CHANNEL:
+            s = tl.full([BLOCK_N, TILES], 1.0, tl.float32)
+        else:
+            s = tl.load(s_ptr + param_offs, mask=live[None, :], other=0.0).to(tl.float32)
+        if X_SCALED:
+            x_scale = tl.load(xs_ptr + m * num_tiles + x_tile, mask=x_tile < num_tiles, other=0.0)[None, :]
+            s = s * x_scale
+        if NF4:
+            part, part_hi = _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, EMULATE)
+            if HALF_GROUPS:  # columns 64-127 of the tile are the next scale group: both halves scaled here
+                s_hi = tl.load(s_ptr + param_offs + stride_sg, mask=live[None, :], other=0.0).to(tl.float32)
+                if X_SCALED:
+                    s_hi = s_hi * x_scale
+                part = part * s[:, :, None] + part_hi * s_hi[:, :, None]
+                s = tl.full([BLOCK_N, TILES], 1.0, tl.float32)
+            else:
+                part = part + part_hi
+        else:
+            part = _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE)
+        if MASK_TILES:
+            part = tl.where(live[None, :, None], part, 0.0)
+        acc += part * s[:, :, None]  # a multiply by the constant 1.0 (per channel, unscaled x) folds away
+    result = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
+    if PER_CHANNEL:
+        result = result * scale
+    _store_gemv_rows(result, rows, N, m, pid_k, bias_ptr, out_ptr, stride_om, stride_split, HAS_BIAS, PARTIAL)
