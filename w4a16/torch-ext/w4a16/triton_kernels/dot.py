@@ -95,7 +95,7 @@ def _dot_kernel(
     integer instruction per weight and one packed subtraction per pair (`_unit_pair`), the 16 going on the
     accumulator; with SCALE_WEIGHTS the group scale (times 16) is applied to the operand instead, so the
     accumulator chain is never interrupted (larger M). On the H200 this takes ~30 % fewer instructions per
-    weight than the fp32 planes and won at every M from 16 to 256 (docs/benchmarks/w4a16-dot-attempt.md).
+    weight than the fp32 planes and won at every M from 16 to 256 (docs/design/w4a16/dot-attempt.md).
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)

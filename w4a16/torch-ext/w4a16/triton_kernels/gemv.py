@@ -125,7 +125,7 @@ def _gemv_kernel(
 # 4.1 SASS instructions per weight, against 6.6 for `_gemv_kernel`). Accuracy: each product and each of
 # the 8 partial additions is rounded to fp16 (2^-11 relative), then everything is accumulated in fp32;
 # simulated and measured relative errors stay ~2x the fp16 rounding of the output itself
-# (docs/benchmarks/w4a16-gemv-attempt.md).
+# (docs/design/w4a16/gemv-attempt.md).
 _H2_ASM = tl.constexpr("""
 {
 .reg .b32 t0, t1, t2, t3, w8, p, m1, m2, mg, k16, k256;
