@@ -148,6 +148,36 @@ def test_sharded_index(k, monkeypatch, tmp_path):
     assert _close(_logits(model, reference["input_ids"]), torch.tensor(reference["logits"])) < TOL
 
 
+def test_autogptq_folder_layout(k, monkeypatch, tmp_path):
+    """AutoGPTQ's older folders: quantize_config.json beside a config.json without quantization_config, the
+    weights in <model_file_base_name>.safetensors. Same tensors as GPTQModel's v1 (this folder is the
+    GPTQModel fixture rearranged that way, not AutoGPTQ output)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    folder = _copy(_fixture("gptqmodel", "gptq-g32-actorder"), tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(config))
+    autogptq = {key: qc[key] for key in ("bits", "group_size", "desc_act", "sym")}
+    (folder / "quantize_config.json").write_text(json.dumps({**autogptq, "model_file_base_name": "gptq_model-4bit-32g"}))
+    (folder / "model.safetensors").rename(folder / "gptq_model-4bit-32g.safetensors")
+    reference = _reference(folder)
+    model = k.from_pretrained(folder, dtype=torch.float16)
+    assert _close(_logits(model, reference["input_ids"]), torch.tensor(reference["logits"])) < TOL
+    (folder / "quantize_config.json").write_text(json.dumps({**autogptq, "is_marlin_format": True}))
+    with pytest.raises(ValueError, match="is_marlin_format"):
+        k.from_pretrained(folder)
+
+
+def test_dtype_applies_to_dense_tensors_only(k):
+    """dtype= sets the embeddings, norms and activations; scales keep the checkpoint's float16 (exact)."""
+    model = k.from_pretrained(_fixture("llmcompressor", "w4a16-asym-g128-tied"), dtype=torch.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.model.norm.weight.dtype == torch.bfloat16
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert q_proj.scales.dtype == torch.float16 and q_proj.weight_dtype == torch.float16
+    assert model(torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("tool, name, changes, field", [
     ("gptqmodel", "gptq-g32-actorder", {"bits": 3}, "bits"),
     ("gptqmodel", "gptq-g32-actorder", {"bits": 8}, "bits"),

@@ -44,6 +44,7 @@ class Scheme:
     method: str  # "gptq", "awq" or "compressed-tensors"
     sym: bool = True  # GPTQ: every zero point is 8 (checked by from_gptq)
     checkpoint_format: str = "gptq"  # GPTQ: "gptq" (v1, zeros stored minus 1) or "gptq_v2"
+    weights_file: Optional[str] = None  # AutoGPTQ's model_file_base_name (e.g. gptq_model-4bit-128g)
 
 
 def _read_json(path: str) -> dict:
@@ -85,6 +86,8 @@ def _gptq_scheme(qc: dict) -> Scheme:
     fmt = next(iter(formats.values()), "gptq")
     pack_dtype = qc.get("pack_dtype", "int32")
     _require(pack_dtype == "int32", "pack_dtype", pack_dtype, "qweight / qzeros must be packed in int32")
+    _require(not qc.get("is_marlin_format"), "is_marlin_format", qc.get("is_marlin_format"),
+             "AutoGPTQ's marlin-repacked tensors are not read")
     sym = qc.get("sym", True)
     _require(isinstance(sym, bool), "sym", sym, "sym must be true or false")
     # GPTQModel's per-module overrides ("dynamic"): "-:" patterns leave modules unquantized (their tensors
@@ -97,7 +100,8 @@ def _gptq_scheme(qc: dict) -> Scheme:
             value = override.get(field, expected)
             _require(value == expected, f"dynamic[{pattern!r}].{field}", value,
                      f"per-module overrides must keep {field} = {expected!r}")
-    return Scheme("gptq", sym=sym, checkpoint_format=fmt)
+    base = qc.get("model_file_base_name")
+    return Scheme("gptq", sym=sym, checkpoint_format=fmt, weights_file=None if base is None else f"{base}.safetensors")
 
 
 def _awq_scheme(qc: dict) -> Scheme:
@@ -149,17 +153,19 @@ def read_scheme(folder) -> Scheme:
     return readers[method](qc)
 
 
-def _shard_files(folder: str) -> list[str]:
+def _shard_files(folder: str, scheme: Scheme) -> list[str]:
     index = os.path.join(folder, _INDEX)
     if os.path.isfile(index):
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
         return [os.path.join(folder, f) for f in sorted(set(weight_map.values()))]
-    single = os.path.join(folder, _SINGLE)
-    if os.path.isfile(single):
-        return [single]
-    raise ValueError(f"{folder} has neither {_SINGLE} nor {_INDEX} (only safetensors checkpoints are read)")
+    names = [_SINGLE] if scheme.weights_file is None else [_SINGLE, scheme.weights_file]
+    for name in names:
+        if os.path.isfile(os.path.join(folder, name)):
+            return [os.path.join(folder, name)]
+    raise ValueError(f"{folder} has none of {', '.join(names)} and no {_INDEX} (only safetensors checkpoints "
+                     f"are read)")
 
 
 @contextmanager
@@ -230,7 +236,7 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
     scheme = read_scheme(folder)
     marker = "." + _MARKER[scheme.method]
-    with _open_shards(_shard_files(folder)) as where:
+    with _open_shards(_shard_files(folder, scheme)) as where:
         prefixes = sorted(name[: -len(marker)] for name in where if name.endswith(marker))
         if not prefixes:
             raise ValueError(f"{folder} is declared {scheme.method} but stores no '*{marker}' tensors")
@@ -262,7 +268,8 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
             _set_module(model, prefix, layer)
         dense = {name: handle for name, handle in where.items() if name not in consumed}
         _load_dense(model, dense, tuple(f"{prefix}." for prefix in prefixes), device, dtype)
-    return model
+    # Buffers the model computed itself (rotary frequencies) are not in the checkpoint: they follow too.
+    return model.to(device)
 
 
 def _load_dense(model: nn.Module, where: dict, quantized: tuple[str, ...], device: torch.device,

@@ -1,0 +1,62 @@
+"""Run a GPTQ, AWQ or compressed-tensors (llm-compressor) 4-bit checkpoint folder through w4a16.
+
+    python examples/load_checkpoint.py FOLDER [--dtype float16] [--device cpu] [--tokens 1,17,33,5]
+    python examples/load_checkpoint.py tests/fixtures/w4a16/gptqmodel/gptq-g32-actorder
+
+FOLDER is a local checkpoint folder (config.json and safetensors, as the quantizing tool saved it or as
+downloaded). The w4a16 kernel comes from the hub (`get_kernel("<org>/w4a16", version=1)`) when HF_ENDPOINT
+is set, else from a local build of this checkout. Prints which layers became 4-bit and the next-token
+prediction for the given token ids.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_w4a16(org: str):
+    import kernels
+
+    if os.environ.get("HF_ENDPOINT"):
+        repo = f"{org}/w4a16"
+        return kernels.get_kernel(repo, version=1, trust_remote_code=[repo])
+    sys.path.insert(0, str(ROOT))
+    from hubtools.build import build_kernel
+    from hubtools.workspace import Workspace
+
+    built = build_kernel(Workspace.load(ROOT).kernel("w4a16"), Path(tempfile.mkdtemp()))
+    return kernels.get_local_kernel(built / "build")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokens", default="1,17,33,5", help="comma-separated input token ids")
+    parser.add_argument("--org", default="triton-llm")
+    args = parser.parse_args()
+
+    w4a16 = load_w4a16(args.org)
+    # The one call: reads quantization_config, builds the transformers model with its weights on the meta
+    # device, swaps each quantized nn.Linear for a W4A16Linear and loads every other tensor.
+    model = w4a16.from_pretrained(args.folder, dtype=getattr(torch, args.dtype), device=args.device)
+
+    quantized = [name for name, m in model.named_modules() if isinstance(m, w4a16.W4A16Linear)]
+    dense = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    print(f"{args.folder}: {len(quantized)} linear layers in 4 bits, {len(dense)} left dense ({', '.join(dense)})")
+    ids = torch.tensor([[int(t) for t in args.tokens.split(",")]], device=args.device)
+    with torch.no_grad():
+        logits = model(ids).logits
+    top = torch.topk(logits[0, -1].float().softmax(-1), 3)
+    print("next token:", ", ".join(f"{i} ({p:.3f})" for p, i in zip(top.values.tolist(), top.indices.tolist())))
+
+
+if __name__ == "__main__":
+    main()
