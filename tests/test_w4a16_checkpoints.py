@@ -233,6 +233,22 @@ def test_refuses_moe_expert_tensors(k, tmp_path):
         k.from_pretrained(folder)
 
 
+def test_tied_lm_head_stored_beside_the_embedding(k, monkeypatch, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    folder = _copy(_fixture("gptqmodel", "gptq-g64-asym-tied"), tmp_path)
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    assert "lm_head.weight" not in tensors
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()}, folder / "model.safetensors")
+    model = k.from_pretrained(folder)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    reference = _reference(folder)
+    assert _close(_logits(model, reference["input_ids"]), torch.tensor(reference["logits"])) < TOL
+
+
 def test_refuses_incomplete_or_foreign_checkpoints(k, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -267,6 +283,10 @@ def test_wrong_argument_types(k, tmp_path):
         k.load_checkpoint(torch.nn.Linear(2, 2), folder, dtype="float16")
     with pytest.raises(TypeError, match="dtype"):
         k.from_pretrained(folder, dtype=torch.int8)
+    with pytest.raises(TypeError, match="device"):
+        k.load_checkpoint(torch.nn.Linear(2, 2), folder, device=0.5)
+    with pytest.raises(TypeError, match="model_class"):
+        k.from_pretrained(folder, model_class=torch.nn.Linear)
     with pytest.raises(FileNotFoundError, match="missing"):
         k.load_checkpoint(torch.nn.Linear(2, 2), tmp_path / "missing")
 

@@ -230,6 +230,8 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
         raise TypeError(f"folder must be a path (str or os.PathLike), got {type(folder).__name__}")
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a torch.device or a device string, got {type(device).__name__}")
     device = torch.device(device)
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
@@ -277,8 +279,9 @@ def _load_dense(model: nn.Module, where: dict, quantized: tuple[str, ...], devic
     """Every remaining checkpoint tensor into the model's parameter or buffer of the same name; then a
     check that every other tensor of the model was loaded, is tied to a loaded one, or is a quantized
     layer's (prefixes in `quantized`): a model built on the CPU would otherwise keep random weights."""
-    targets = dict(model.named_parameters())
-    targets.update(model.named_buffers())
+    # Every name, tied ones included: a checkpoint may store a tied lm_head beside the embedding.
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
     unexpected = sorted(name for name in where if name not in targets)
     if unexpected:
         raise ValueError(f"the checkpoint has tensors the model does not: {_listed(unexpected)} "
