@@ -250,7 +250,8 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
             for part in required + optional:
                 key = f"{prefix}.{part}"
                 if key in where:
-                    parts[part] = where[key].get_tensor(key)
+                    # The re-layout runs where the weight will live: on a GPU it costs little next to the read.
+                    parts[part] = where[key].get_tensor(key).to(device)
                     consumed.add(key)
                 elif part in required:
                     raise ValueError(f"{prefix}: the checkpoint has no {key} ({scheme.method} needs "
@@ -266,7 +267,7 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
                 bias = where[bias_key].get_tensor(bias_key).to(dtype or linear.weight.dtype)
             elif linear.bias is not None:
                 raise ValueError(f"{prefix} has a bias in the model but none in the checkpoint")
-            layer = W4A16Linear(qweight.to(device), None if bias is None else bias.to(device))
+            layer = W4A16Linear(qweight, None if bias is None else bias.to(device))
             _set_module(model, prefix, layer)
         dense = {name: handle for name, handle in where.items() if name not in consumed}
         _load_dense(model, dense, tuple(f"{prefix}." for prefix in prefixes), device, dtype)
