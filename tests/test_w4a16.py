@@ -174,7 +174,7 @@ def _check_launch(k, fmt, zero_point, group_size, kk, config, dtype, m):
 def test_half2_gemv_applies_where_supported(k):
     """fp16 / bf16, int4 or NF4 with tile-sized (or per-channel; NF4 also 64-column) groups takes the
     packed-fp16 GEMV; the rest does not."""
-    tk = k.triton_kernels
+    tk = k.tuning
     x16, x_bf = torch.zeros(1, 256, dtype=torch.float16), torch.zeros(1, 256, dtype=torch.bfloat16)
     codebook = torch.zeros(16)
     assert all(tk.half2_supported(x, None, g) for g in (128, 256, -1) for x in (x16, x_bf))
@@ -183,6 +183,24 @@ def test_half2_gemv_applies_where_supported(k):
     assert not tk.half2_supported(x16, None, 64) and not tk.half2_supported(x16, None, 32)
     assert not tk.half2_supported(x16, codebook, 32)
     assert k.tuning.heuristic(1, 4096, 4096, 132)["half2"]
+
+
+def test_resolve_makes_every_choice_once(k):
+    """A config becomes the plan the launchers run: the packed GEMV's own tiles where it applies, the portable
+    GEMV elsewhere; packed dot operands only for int4 with tile-sized groups."""
+    x16 = torch.zeros(1, 256, dtype=torch.float16)
+    gemv = {"kernel": "gemv", "block_n": 8, "tiles": 4, "split_k": 2, "num_warps": 4,
+            "half2": {"block_n": 16, "tiles": 8, "split_k": 1}}
+    assert k.tuning.resolve(gemv, x16, None, 128) == {"kernel": "gemv_h2", "block_n": 16, "tiles": 8, "split_k": 1,
+                                                       "num_warps": 4}
+    assert k.tuning.resolve(gemv, x16, None, 32) == {"kernel": "gemv", "block_n": 8, "tiles": 4, "split_k": 2,
+                                                      "num_warps": 4}
+    assert k.tuning.resolve({**gemv, "half2": True}, x16, None, 128)["kernel"] == "gemv_h2"
+    dot = {"kernel": "dot", "block_m": 16, "block_n": 64, "packed": True, "scale_weights": True}
+    assert k.tuning.resolve(dot, x16, None, 128)["packed"] and k.tuning.resolve(dot, x16, None, 128)["scale_weights"]
+    assert not k.tuning.resolve(dot, x16, None, -1)["scale_weights"]
+    nf4 = k.tuning.resolve(dot, x16, torch.zeros(16), 128)
+    assert not nf4["packed"] and not nf4["scale_weights"]
 
 
 def test_bf16_activations_to_fp16_per_tile(k):

@@ -119,7 +119,7 @@ def test_half2_gemv_vs_float64(k, zero_point, group_size, tiles, dtype, x_scale)
     n, kk = 3000, 5120 if group_size != -1 else 5000  # per-channel: K not a multiple of the 128 tile
     qw = k.quantize(_weight(n, kk, dtype, seed=4), group_size=group_size, zero_point=zero_point)
     x = (torch.randn(2, kk, device="cuda") * x_scale).to(dtype)
-    assert k.triton_kernels.half2_supported(x, None, group_size)
+    assert k.tuning.half2_supported(x, None, group_size)
     bias = torch.randn(n, device="cuda", dtype=dtype) * x_scale
     config = {"kernel": "gemv", "tiles": 8, "num_warps": 4, "half2": True, **tiles}
     out = torch.full((2, n), float("nan"), device="cuda", dtype=dtype)
@@ -142,7 +142,7 @@ def test_packed_dot_vs_float64(k, zero_point, group_size, dtype, block_m, block_
     n, kk, m = 3000, 5120 if group_size != -1 else 5000, 37
     qw = k.quantize(_weight(n, kk, dtype, seed=6), group_size=group_size, zero_point=zero_point)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
-    assert k.triton_kernels.packed_dot_supported(None, group_size)
+    assert k.tuning.packed_dot_supported(None, group_size)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     config = {"kernel": "dot", "block_m": block_m, "block_n": block_n, "split_k": split_k, "swap_ab": swap_ab,
               "num_warps": 8, "num_stages": 3, "packed": True, "scale_weights": scale_weights}
@@ -163,7 +163,7 @@ def test_half2_gemv_nf4_vs_float64(k, group_size, dtype, pipeline):
     n, kk = 3000, 5120
     qw = k.quantize(_weight(n, kk, dtype, seed=8), group_size=group_size, fmt="nf4")
     x = torch.randn(2, kk, device="cuda", dtype=dtype)
-    assert k.triton_kernels.half2_supported(x, qw.codebook, group_size)
+    assert k.tuning.half2_supported(x, qw.codebook, group_size)
     config = {"kernel": "gemv", "block_n": 8, "tiles": 8, "split_k": 3, "num_warps": 4, "half2": True, **pipeline}
     out = torch.full((2, n), float("nan"), device="cuda", dtype=dtype)
     k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, None, n, kk, group_size, config, out=out)

@@ -2,7 +2,7 @@
 bucket) and a heuristic for shapes and GPUs without one. Nothing is tuned at import or call time.
 
 A config is a dict: ``{"kernel": "gemv", "block_n", "tiles", "split_k", "num_warps", "num_stages", "prefetch",
-"half2"}`` (``half2``: run the packed-fp16 GEMV where it applies, see ``triton_kernels.half2_supported``;
+"half2"}`` (``half2``: run the packed-fp16 GEMV where it applies, see `half2_supported`;
 ``True`` with the same tiles, or a dict of its own ``block_n`` / ``tiles`` / ``split_k`` / ... overrides, where
 ``x_bcast`` loads x once per tile column and broadcasts it over the rows, and ``tma`` brings the weight tiles
 in by TMA; with ``num_stages`` > 1 either is software-pipelined through shared memory),
@@ -10,12 +10,18 @@ in by TMA; with ``num_stages`` > 1 either is software-pipelined through shared m
 "num_warps", "num_stages"}`` (``packed``: operands made by integer ops where the format allows, see
 ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the operand rather than the accumulator) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
+
+A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
+dtype, device and weight format, the one place where those choices are made: ``"gemv"`` becomes
+``"gemv_h2"`` (the packed-fp16 GEMV's own tiles merged in) or the portable ``"gemv"``; a dot config's
+``packed`` / ``scale_weights`` are kept only where the format allows them. Launchers run a plan as it is.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -97,3 +103,40 @@ def select(m: int, n: int, k: int, device: torch.device) -> dict:
     if entry:
         return _bucket(entry, m)
     return heuristic(m, n, k, sm_count, tuned.get("heuristic"))
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def packed_dot_supported(codebook, group_size) -> bool:
+    """Whether the dot path can build its operands by integer ops (`triton_kernels.dot._unit_planes`): int4
+    with whole-tile or per-channel groups."""
+    return codebook is None and (group_size == -1 or group_size % 128 == 0)
+
+
+def half2_supported(x, codebook, group_size) -> bool:
+    """Whether the packed-fp16 GEMV (`_gemv_h2_kernel`) applies: fp16 activations (bf16 after
+    `_x_to_fp16_kernel`), int4 or NF4 with scale groups of whole 128-column tiles or per channel (NF4: also
+    64), and an NVIDIA GPU (inline PTX) or the interpreter (emulated). Elsewhere (groups of 32, int4 groups of
+    64, ROCm, XPU) a GEMV config runs the portable `_gemv_kernel`."""
+    groups_ok = packed_dot_supported(None, group_size) or (codebook is not None and group_size == 64)
+    if x.dtype not in (torch.float16, torch.bfloat16) or not groups_ok:
+        return False
+    return interpreting() or (x.device.type == "cuda" and torch.version.hip is None)
+
+
+def resolve(config: dict, x: torch.Tensor, codebook, group_size: int) -> dict:
+    """The launch plan of `config` for activations `x` and a weight of this format (see the module doc)."""
+    if config["kernel"] == "gemv":
+        plan = {key: value for key, value in config.items() if key != "half2"}
+        half2 = config.get("half2", False)
+        if half2 and half2_supported(x, codebook, group_size):
+            plan.update(half2 if isinstance(half2, dict) else {}, kernel="gemv_h2")
+        return plan
+    if config["kernel"] == "dot":
+        packed = bool(config.get("packed", False)) and packed_dot_supported(codebook, group_size)
+        # per-channel scales always go on the result
+        scale_weights = packed and bool(config.get("scale_weights", False)) and group_size != -1
+        return {**config, "packed": packed, "scale_weights": scale_weights}
+    return dict(config)

@@ -15,6 +15,6 @@ Modules: `gemv` (CUDA-core GEMV / split-K for a few tokens: the fp32 `_gemv_kern
 `common` (bit tricks and the split-K reduction they share), `launch` (grids, configs, the entry points below).
 """
 
-from .launch import dequantize, half2_supported, matmul, packed_dot_supported
+from .launch import dequantize, matmul
 
-__all__ = ["dequantize", "half2_supported", "matmul", "packed_dot_supported"]
+__all__ = ["dequantize", "matmul"]
