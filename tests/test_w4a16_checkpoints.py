@@ -86,6 +86,17 @@ def test_matches_the_tools_own_logits(k, monkeypatch, folder):
     assert _close(_logits(model, reference["input_ids"]), theirs) < TOL
 
 
+def test_the_comparison_catches_a_misread(k, monkeypatch, tmp_path):
+    """A control for TOL: the v2 asymmetric fixture read as v1 (every zero point off by one, which the
+    loader cannot detect without sym) lands far outside it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    folder = _copy(_fixture("gptqmodel", "gptq-v2-g32-asym"), tmp_path)
+    _edit_config(folder, checkpoint_format="gptq", format="gptq")
+    reference = _reference(folder)
+    misread = _close(_logits(k.from_pretrained(folder), reference["input_ids"]), torch.tensor(reference["logits"]))
+    assert misread > 5 * TOL
+
+
 def test_what_the_fixtures_exercise(k):
     """The layouts the fixtures are there for really reach the loader: act-order, a quantized lm_head, tied
     embeddings, unquantized lm_head."""
