@@ -72,7 +72,7 @@ def _fixture(tool: str, name: str) -> Path:
 
 def test_fixtures_exist():
     assert {p.parent.name for p in FOLDERS} == {"gptqmodel", "llmcompressor", "autoawq"}
-    assert len(FOLDERS) == 11
+    assert len(FOLDERS) == 13
 
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=IDS)
@@ -99,7 +99,7 @@ def test_the_comparison_catches_a_misread(k, monkeypatch, tmp_path):
 
 def test_what_the_fixtures_exercise(k):
     """The layouts the fixtures are there for really reach the loader: act-order, a quantized lm_head, tied
-    embeddings, unquantized lm_head."""
+    embeddings, unquantized lm_head, per-channel scales, biases of quantized linears."""
     actorder = k.from_pretrained(_fixture("gptqmodel", "gptq-g32-actorder"))
     assert any(m.perm is not None for m in actorder.modules() if isinstance(m, k.W4A16Linear))
     assert type(actorder.lm_head) is torch.nn.Linear
@@ -110,6 +110,10 @@ def test_what_the_fixtures_exercise(k):
         assert tied.model.layers[0].mlp.down_proj.zeros is not None  # asymmetric: zero points kept
     channel = k.from_pretrained(_fixture("gptqmodel", "gptq-per-channel"))
     assert channel.model.layers[0].self_attn.q_proj.group_size == -1
+    for tool, name in (("gptqmodel", "gptq-g64-asym-bias"), ("llmcompressor", "w4a16-g128-bias")):
+        biased = k.from_pretrained(_fixture(tool, name))
+        linears = [m for m in biased.modules() if isinstance(m, k.W4A16Linear)]
+        assert all(m.bias is not None and bool(m.bias.abs().sum() > 0) for m in linears)
 
 
 def test_triton_path_matches_too(k, path):
