@@ -108,6 +108,9 @@ def test_what_the_fixtures_exercise(k):
         tied = k.from_pretrained(_fixture(tool, name))
         assert tied.lm_head.weight is tied.model.embed_tokens.weight
         assert tied.model.layers[0].mlp.down_proj.zeros is not None  # asymmetric: zero points kept
+    # AWQ with zero_point false (GPTQModel's default) takes the symmetric kernels; AutoAWQ's keeps zero points.
+    assert k.from_pretrained(_fixture("gptqmodel", "awq-g64")).model.layers[0].mlp.up_proj.zeros is None
+    assert k.from_pretrained(_fixture("autoawq", "gemm-g64")).model.layers[0].mlp.up_proj.zeros is not None
     channel = k.from_pretrained(_fixture("gptqmodel", "gptq-per-channel"))
     assert channel.model.layers[0].self_attn.q_proj.group_size == -1
     for tool, name in (("gptqmodel", "gptq-g64-asym-bias"), ("llmcompressor", "w4a16-g128-bias")):
@@ -210,6 +213,9 @@ def test_dtype_applies_to_dense_tensors_only(k):
     ("gptqmodel", "awq-g64", {"version": "gemv"}, "version"),
     ("gptqmodel", "awq-g64", {"version": "exllama"}, "version"),
     ("gptqmodel", "awq-g64", {"bits": 3}, "bits"),
+    ("gptqmodel", "awq-g64", {"zero_point": "yes"}, "zero_point"),
+    # AutoAWQ's zeros are not all 8: declared symmetric, the importer refuses them instead of dropping them.
+    ("autoawq", "gemm-g64", {"zero_point": False}, "zero point to be 8"),
     ("llmcompressor", "w4a16-g128", {"config_groups__group_0__weights__num_bits": 8}, "num_bits"),
     ("llmcompressor", "w4a16-g128", {"config_groups__group_0__weights__type": "float"}, "type"),
     ("llmcompressor", "w4a16-g128", {"config_groups__group_0__weights__strategy": "block"}, "strategy"),

@@ -42,7 +42,7 @@ class Scheme:
     """What `load_checkpoint` read from a folder's quantization config."""
 
     method: str  # "gptq", "awq" or "compressed-tensors"
-    sym: bool = True  # GPTQ: every zero point is 8 (checked by from_gptq)
+    sym: bool = True  # GPTQ / AWQ: every zero point is 8 (checked and dropped by the importer)
     checkpoint_format: str = "gptq"  # GPTQ: "gptq" (v1, zeros stored minus 1) or "gptq_v2"
     weights_file: Optional[str] = None  # AutoGPTQ's model_file_base_name (e.g. gptq_model-4bit-128g)
 
@@ -112,8 +112,10 @@ def _awq_scheme(qc: dict) -> Scheme:
         layout = str(qc.get(key, "gemm")).lower()
         _require(layout == "gemm", key, layout,
                  "only AWQ 'gemm' tensors; gemv, gemv_fast, exllama, marlin and ipex layouts are not read")
-    # zero_point = false (GPTQModel's symmetric AWQ) still stores qzeros (all 8), read as they are.
-    return Scheme("awq")
+    zero_point = qc.get("zero_point", True)
+    _require(isinstance(zero_point, bool), "zero_point", zero_point, "zero_point must be true or false")
+    # zero_point = false (GPTQModel's symmetric AWQ) still stores qzeros, all 8: checked and dropped.
+    return Scheme("awq", sym=not zero_point)
 
 
 def _compressed_tensors_scheme(qc: dict) -> Scheme:
@@ -189,7 +191,7 @@ def _import(scheme: Scheme, parts: dict) -> QuantizedWeight:
         return from_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"), sym=scheme.sym,
                          checkpoint_format=scheme.checkpoint_format)
     if scheme.method == "awq":
-        return from_awq(parts["qweight"], parts["qzeros"], parts["scales"])
+        return from_awq(parts["qweight"], parts["qzeros"], parts["scales"], sym=scheme.sym)
     return from_compressed_tensors(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"],
                                    parts.get("weight_zero_point"), parts.get("weight_g_idx"))
 

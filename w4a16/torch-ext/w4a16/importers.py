@@ -126,8 +126,14 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     return from_codes(codes, scales, zeros, group_size=group_size, fmt="int4", dtype=scales.dtype, perm=perm)
 
 
-def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> QuantizedWeight:
-    """Convert an AWQ (AutoAWQ "GEMM" version) 4-bit linear to this kernel's layout."""
+def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, sym: bool = False) -> QuantizedWeight:
+    """Convert an AWQ (AutoAWQ "GEMM" version) 4-bit linear to this kernel's layout.
+
+    ``sym=True`` (checkpoints saved with ``zero_point: false``, which still store zero points, all 8) checks
+    that every zero point is 8 and drops them, so the weight takes the symmetric kernels.
+    """
+    if not isinstance(sym, bool):
+        raise TypeError(f"sym must be a bool, got {type(sym).__name__}")
     _check_tensor("qweight", qweight, (torch.int32,), 2)
     _check_tensor("qzeros", qzeros, (torch.int32,), 2)
     _check_tensor("scales", scales, FLOAT_DTYPES, 2)
@@ -142,6 +148,11 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) 
     order = torch.tensor(AWQ_UNPACK_ORDER, device=qweight.device)
     codes = _nibbles(qweight)[..., order].reshape(k, n).t()
     zeros = _nibbles(qzeros)[..., order].reshape(groups, n)
+    if sym:
+        if not bool((zeros == 8).all()):
+            found = sorted(set(zeros.unique().tolist()))[:4]
+            raise ValueError(f"sym=True expects every zero point to be 8, got values {found}: pass sym=False")
+        zeros = None
     return from_codes(codes, scales, zeros, group_size=group_size, fmt="int4", dtype=scales.dtype)
 
 
