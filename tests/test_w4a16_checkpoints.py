@@ -186,6 +186,20 @@ def test_autogptq_folder_layout(k, monkeypatch, tmp_path):
         k.from_pretrained(folder)
 
 
+def test_autoawq_folder_layout(k, monkeypatch, tmp_path):
+    """AutoAWQ's older folders: quant_config.json (w_bit, q_group_size, version; no quant_method) beside a
+    config.json without quantization_config (the AutoAWQ fixture rearranged that way)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    folder = _copy(_fixture("autoawq", "gemm-g64"), tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 64, "w_bit": 4,
+                                                          "version": "GEMM"}))
+    reference = _reference(folder)
+    assert _close(_logits(k.from_pretrained(folder), reference["input_ids"]), torch.tensor(reference["logits"])) < TOL
+
+
 def test_dtype_applies_to_dense_tensors_only(k):
     """dtype= sets the embeddings, norms and activations; scales keep the checkpoint's float16 (exact)."""
     model = k.from_pretrained(_fixture("llmcompressor", "w4a16-asym-g128-tied"), dtype=torch.bfloat16)
@@ -304,6 +318,8 @@ def test_wrong_argument_types(k, tmp_path):
         k.load_checkpoint(torch.nn.Linear(2, 2), folder, dtype="float16")
     with pytest.raises(TypeError, match="dtype"):
         k.from_pretrained(folder, dtype=torch.int8)
+    with pytest.raises(TypeError, match="dtype"):  # W4A16Linear takes float16 / bfloat16 activations
+        k.from_pretrained(folder, dtype=torch.float32)
     with pytest.raises(TypeError, match="device"):
         k.load_checkpoint(torch.nn.Linear(2, 2), folder, device=0.5)
     with pytest.raises(TypeError, match="model_class"):

@@ -22,9 +22,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .formats import FLOAT_DTYPES, QuantizedWeight
+from .formats import QuantizedWeight
 from .importers import from_awq, from_compressed_tensors, from_gptq
 from .layers import W4A16Linear
+# The model's dtype is its activations' dtype, which W4A16Linear takes in float16 or bfloat16.
+from .ops import ACTIVATION_DTYPES
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -52,18 +54,21 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
-def _quantization_config(folder: str) -> dict:
-    """config.json's ``quantization_config``; else quantize_config.json (AutoGPTQ / GPTQModel) or
-    quant_config.json (AutoAWQ), which older tools write beside a config.json without one."""
+def _quantization_config(folder: str) -> tuple[dict, str]:
+    """(config.json's ``quantization_config``, its method); else quantize_config.json (AutoGPTQ, GPTQModel)
+    or quant_config.json (AutoAWQ), which older tools write beside a config.json without one and which
+    may not name their method (``quant_method``), so the file's name does."""
     config_path = os.path.join(folder, "config.json")
     if os.path.isfile(config_path):
         qc = _read_json(config_path).get("quantization_config")
         if qc is not None:
-            return qc
-    for name in ("quantize_config.json", "quant_config.json"):
+            _require("quant_method" in qc, "quant_method", None, "config.json's quantization_config must name it")
+            return qc, qc["quant_method"]
+    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
         path = os.path.join(folder, name)
         if os.path.isfile(path):
-            return _read_json(path)
+            qc = _read_json(path)
+            return qc, qc.get("quant_method", method)
     raise ValueError(f"{folder} has no quantization_config in config.json and no quantize_config.json or "
                      f"quant_config.json: not a quantized checkpoint folder")
 
@@ -148,8 +153,8 @@ def _compressed_tensors_scheme(qc: dict) -> Scheme:
 def read_scheme(folder) -> Scheme:
     """The folder's quantization config as a `Scheme`; a ValueError naming the field for anything the
     loader does not read exactly (other bit widths, kernel-specific layouts, activation quantization)."""
-    qc = _quantization_config(os.fspath(folder))
-    method = str(qc.get("quant_method", "gptq")).lower()
+    qc, method = _quantization_config(os.fspath(folder))
+    method = str(method).lower()
     readers = {"gptq": _gptq_scheme, "awq": _awq_scheme, "compressed-tensors": _compressed_tensors_scheme}
     _require(method in readers, "quant_method", method, f"supported methods are {', '.join(readers)}")
     return readers[method](qc)
@@ -230,8 +235,8 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"folder must be a path (str or os.PathLike), got {type(folder).__name__}")
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+    if dtype is not None and dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"dtype must be None, torch.float16 or torch.bfloat16, got {dtype!r}")
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a torch.device or a device string, got {type(device).__name__}")
     device = torch.device(device)
@@ -348,8 +353,8 @@ def from_pretrained(folder, *, dtype: torch.dtype = torch.float16, device="cpu",
     """
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"folder must be a path (str or os.PathLike), got {type(folder).__name__}")
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+    if dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
     import transformers
 
     folder = os.fspath(folder)
