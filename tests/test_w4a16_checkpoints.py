@@ -308,6 +308,23 @@ def test_refuses_incomplete_or_foreign_checkpoints(k, tmp_path):
         k.from_pretrained(folder)
 
 
+def test_refuses_groups_the_format_cannot_hold(k, tmp_path):
+    """Groups of 16 (valid GPTQ, not a w4a16 group size): the error names the layer and the group size."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder = _copy(_fixture("gptqmodel", "gptq-g32-actorder"), tmp_path)
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    prefix = "model.layers.0.self_attn.q_proj"
+    tensors[f"{prefix}.scales"] = tensors[f"{prefix}.scales"].repeat_interleave(2, dim=0)
+    tensors[f"{prefix}.qzeros"] = tensors[f"{prefix}.qzeros"].repeat_interleave(2, dim=0)
+    tensors[f"{prefix}.g_idx"] = (torch.arange(128) // 16).int()
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=f"{prefix}: group_size must be"):
+        k.from_pretrained(folder)
+
+
 def test_wrong_argument_types(k, tmp_path):
     folder = _fixture("gptqmodel", "gptq-per-channel")
     with pytest.raises(TypeError, match="model"):

@@ -263,7 +263,10 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
                 elif part in required:
                     raise ValueError(f"{prefix}: the checkpoint has no {key} ({scheme.method} needs "
                                      f"{', '.join(required)})")
-            qweight = _import(scheme, parts)
+            try:
+                qweight = _import(scheme, parts)
+            except ValueError as error:  # group sizes, act-order layouts, zero points the format cannot hold
+                raise ValueError(f"{prefix}: {error}") from error
             if qweight.shape != (linear.out_features, linear.in_features):
                 raise ValueError(f"{prefix}: the checkpoint's weight is {qweight.shape} (out, in) but the model's "
                                  f"nn.Linear is {(linear.out_features, linear.in_features)}")
