@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 # Small sizes under every name transformers' MoE configs use for them; lists (per-modality sizes) keep
 # their length.
@@ -52,11 +53,10 @@ def _tiny_config(config_cls):
     config = config_cls()
     for key, value in TINY_CONFIG.items():
         try:
-            if hasattr(config, key):
-                old = getattr(config, key)
-                setattr(config, key, [value] * len(old) if isinstance(old, (list, tuple)) else value)
-        except Exception:  # attributes some configs only allow per layer
-            pass
+            old = getattr(config, key)
+        except (AttributeError, AmbiguousGlobalPerLayerAttributeError):  # absent, or set per layer (Gemma4 head_dim)
+            continue
+        setattr(config, key, [value] * len(old) if isinstance(old, (list, tuple)) else value)
     config._experts_implementation = "eager"
     return config
 

@@ -328,24 +328,6 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-@contextmanager
-def _parameters_on_meta():
-    """Parameters created inside go to the meta device, buffers stay where they are made: so a model
-    built inside allocates no weights, while computed buffers (rotary frequencies) keep their values."""
-    register = nn.Module.register_parameter
-
-    def to_meta(module, name, param):
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = to_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
 def from_pretrained(folder, *, dtype: torch.dtype = torch.float16, device="cpu", model_class=None) -> nn.Module:
     """Build the transformers model of a quantized checkpoint folder and load it with `load_checkpoint`.
 
@@ -370,6 +352,13 @@ def from_pretrained(folder, *, dtype: torch.dtype = torch.float16, device="cpu",
     model_class = transformers.AutoModelForCausalLM if model_class is None else model_class
     if not hasattr(model_class, "from_config"):
         raise TypeError(f"model_class must have from_config (a transformers model class), got {model_class!r}")
-    with _parameters_on_meta():
+    try:
+        from accelerate import init_empty_weights
+    except ImportError as exc:
+        raise ImportError("w4a16.from_pretrained builds the model with accelerate.init_empty_weights: "
+                          "pip install accelerate (or build the model yourself and call load_checkpoint)") from exc
+    # Parameters on the meta device (nothing allocated before the checkpoint is read); buffers stay real, so
+    # computed ones (rotary frequencies) keep their values.
+    with init_empty_weights(include_buffers=False):
         model = model_class.from_config(config, dtype=dtype)
     return load_checkpoint(model, folder, device=device, dtype=dtype).eval()

@@ -8,7 +8,6 @@ TRITON_INTERPRET=1 (the Triton interpreter runs the kernels on CPU tensors); els
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Optional
 
 import torch
@@ -26,7 +25,7 @@ ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return triton_kernels is not None and (x.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton_kernels is not None and (x.device.type != "cpu" or tuning.interpreting())
 
 
 def check_activation(x, shape: tuple[int, int], device: torch.device, bias) -> None:
