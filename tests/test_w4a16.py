@@ -35,6 +35,9 @@ CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot an
                               "packed": True},
     "dot-packed-scaled": {"kernel": "dot", "block_m": 16, "block_n": 128, "split_k": 1, "packed": True,
                           "scale_weights": True},
+    # x and the weight words by TMA descriptors (zero-filled past M and K), the scale on the operand.
+    "dot-packed-tma": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True, "packed": True,
+                       "scale_weights": True, "x_desc": True, "w_desc": True},
     "dequant-chunks": {"kernel": "dequant", "chunk_n": 128},
     # The packed-fp16 GEMV, emulated in the interpreter (no inline PTX there): its tiles, masks, split-K and
     # zero points; formats and dtypes it does not take (groups of 32 / 64, NF4, bf16) run the portable GEMV.
@@ -199,6 +202,10 @@ def test_resolve_makes_every_choice_once(k):
     dot = {"kernel": "dot", "block_m": 16, "block_n": 64, "packed": True, "scale_weights": True}
     assert k.tuning.resolve(dot, x16, None, 128)["packed"] and k.tuning.resolve(dot, x16, None, 128)["scale_weights"]
     assert not k.tuning.resolve(dot, x16, None, -1)["scale_weights"]
+    tma = {**dot, "x_desc": True, "w_desc": True}
+    assert k.tuning.resolve(tma, x16, None, 128)["x_desc"]
+    odd = torch.zeros(2, 129, dtype=torch.float16)[:, :127]  # rows of 258 bytes: not 16-byte aligned for TMA
+    assert not k.tuning.resolve(tma, odd, None, 128)["x_desc"] and k.tuning.resolve(tma, odd, None, 128)["w_desc"]
     nf4 = k.tuning.resolve(dot, x16, torch.zeros(16), 128)
     assert not nf4["packed"] and not nf4["scale_weights"]
 

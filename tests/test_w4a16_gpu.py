@@ -133,19 +133,24 @@ PACKED_FORMATS = [(False, 128), (True, 128), (False, -1), (True, -1), (True, 256
 
 @pytest.mark.parametrize("zero_point,group_size", PACKED_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("block_m,block_n,swap_ab,split_k,scale_weights", [
-    (16, 128, True, 3, False), (16, 64, True, 1, True), (64, 128, False, 1, True), (128, 128, True, 2, False)])
-def test_packed_dot_vs_float64(k, zero_point, group_size, dtype, block_m, block_n, swap_ab, split_k, scale_weights):
+@pytest.mark.parametrize("block_m,block_n,swap_ab,split_k,scale_weights,num_warps,descs", [
+    (16, 128, True, 3, False, 8, False), (16, 64, True, 1, True, 8, False), (64, 128, False, 1, True, 8, False),
+    (128, 128, True, 2, False, 8, False), (16, 64, True, 2, True, 4, True), (128, 64, True, 1, True, 4, True),
+    (64, 128, True, 3, True, 8, True)])
+def test_packed_dot_vs_float64(k, zero_point, group_size, dtype, block_m, block_n, swap_ab, split_k, scale_weights,
+                               num_warps, descs):
     """The dot path on (code - zero) / 16 operands made by integer ops (group scales on the accumulator or on
-    the operand) on poisoned outputs against float64; M = 37 leaves a partial token tile, K per channel is
-    not a multiple of 128."""
+    the operand; x and the weight words by pointer loads or TMA descriptors) on poisoned outputs against
+    float64; M = 37 leaves a partial token tile, K per channel is not a multiple of 128."""
     n, kk, m = 3000, 5120 if group_size != -1 else 5000, 37
     qw = k.quantize(_weight(n, kk, dtype, seed=6), group_size=group_size, zero_point=zero_point)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
     assert k.tuning.packed_dot_supported(None, group_size)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     config = {"kernel": "dot", "block_m": block_m, "block_n": block_n, "split_k": split_k, "swap_ab": swap_ab,
-              "num_warps": 8, "num_stages": 3, "packed": True, "scale_weights": scale_weights}
+              "num_warps": num_warps, "num_stages": 3, "packed": True, "scale_weights": scale_weights,
+              "x_desc": descs, "w_desc": descs}
+    assert k.tuning.resolve(config, x, None, group_size)["x_desc"] == descs
     out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
     k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, group_size, config, out=out)
     assert not out.isnan().any()

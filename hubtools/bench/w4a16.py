@@ -546,7 +546,36 @@ def _pipeline_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[d
     return out
 
 
-def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1,), candidates=_pipeline_candidates,
+def _dot_pipeline_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[dict]:
+    """M > 1 tensor-core launches (E2 of docs/design/w4a16.md): the scale on the operand (one accumulator
+    chain, so the MMA runs asynchronously under the next tile's dequantization) and x / weight words through
+    TMA descriptors, on the tiles around the shipped ones, split-K where programs are few."""
+    if m <= 1:
+        return []
+    if m <= 16:
+        base = [(16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 3), (16, 32, 4, 4)]
+    elif m <= 64:
+        base = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)]
+    else:
+        base = [(128, 64, 4, 3), (128, 64, 4, 2), (64, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 2)]
+    out = []
+    for i, (bm, bn, w, st) in enumerate(base):
+        programs = -(-m // bm) * (rows // bn)
+        fill = next((s for s in (2, 4, 8) if programs * s >= sm_count and tiles // s >= 4), None)
+        splits = [1] + ([fill] if programs < sm_count and fill else [])
+        # each change alone on the first tile shape, both together on every one
+        for sw, desc in ((True, True), (True, False), (False, True)) if i == 0 else ((True, True),):
+            out += [{"kernel": "dot", "block_m": bm, "block_n": bn, "split_k": s, "swap_ab": True, "num_warps": w,
+                     "num_stages": st, "full_tile": True, "packed": True, "scale_weights": sw, "x_desc": desc,
+                     "w_desc": desc} for s in splits]
+    return out
+
+
+def _decode_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[dict]:
+    return _pipeline_candidates(m, rows, tiles, sm_count) + _dot_pipeline_candidates(m, rows, tiles, sm_count)
+
+
+def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1,), candidates=_decode_candidates,
                    out_path=None, log: Callable[[str], None] = print) -> dict:
     """int4 g128 fp16 at each M in `tokens`: the shipped config (`tuning.select`), every candidate launch and
     cuBLAS fp16 in one process, each verified against the float64-exact fp32 reference and graph-timed

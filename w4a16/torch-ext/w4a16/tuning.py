@@ -138,5 +138,10 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int) -> dict:
         packed = bool(config.get("packed", False)) and packed_dot_supported(codebook, group_size)
         # per-channel scales always go on the result
         scale_weights = packed and bool(config.get("scale_weights", False)) and group_size != -1
-        return {**config, "packed": packed, "scale_weights": scale_weights}
+        # descriptors (TMA) need the full-tile paths and 16-byte aligned rows of x
+        full_tile = packed or bool(config.get("full_tile", False))
+        x_desc = (bool(config.get("x_desc", False)) and full_tile and x.stride(-1) == 1
+                  and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
+        w_desc = bool(config.get("w_desc", False)) and full_tile
+        return {**config, "packed": packed, "scale_weights": scale_weights, "x_desc": x_desc, "w_desc": w_desc}
     return dict(config)

@@ -83,6 +83,7 @@ def _dot_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_K: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
     FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
+    X_DESC: tl.constexpr, W_DESC: tl.constexpr,
 ):
     """Tensor-core path. Per K-tile either 8 dots of K=16 (one per nibble plane: a contiguous K run) or,
     with FULL_TILE, the 8 planes interleaved back into natural K order and one dot of K=128.
@@ -96,6 +97,10 @@ def _dot_kernel(
     accumulator; with SCALE_WEIGHTS the group scale (times 16) is applied to the operand instead, so the
     accumulator chain is never interrupted (larger M). On the H200 this takes ~30 % fewer instructions per
     weight than the fp32 planes and won at every M from 16 to 256 (docs/design/w4a16/dot-attempt.md).
+
+    X_DESC / W_DESC: x (boxes [BLOCK_M, 128]) and the weight words (boxes [BLOCK_N, 16]) come through host
+    tensor descriptors (TMA; `STAGES` deep), zero-filled past M and K, instead of pointer loads (full-tile
+    paths only).
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -106,8 +111,10 @@ def _dot_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     col = tl.arange(0, _WORDS)
-    w_ptrs = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn + col[None, :]
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    if not W_DESC:
+        w_ptrs = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn + col[None, :]
+    if not X_DESC:
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -123,10 +130,15 @@ def _dot_kernel(
             zero = tl.load(z_ptr + rows).to(tl.float32)[:, None]
     if UPCAST:
         dot_dtype = tl.float32
+    elif X_DESC:
+        dot_dtype = x_ptr.dtype
     else:
         dot_dtype = x_ptr.dtype.element_ty
     for tile in tl.range(first, last, num_stages=STAGES):
-        w = tl.load(w_ptrs + tile * _WORDS, eviction_policy="evict_first")
+        if W_DESC:
+            w = qw_ptr.load([pid_n * BLOCK_N, tile * _WORDS])
+        else:
+            w = tl.load(w_ptrs + tile * _WORDS, eviction_policy="evict_first")
         if SCALE_ON_ACC:
             part = tl.zeros_like(acc)
         else:
@@ -134,7 +146,9 @@ def _dot_kernel(
         group_offs = ((tile * 128) // group_size).to(tl.int64) * stride_sg + rows  # the tile's first group
         if PACKED or FULL_TILE:  # one K=128 dot: the x tile in column order
             kk = tile * 128 + tl.arange(0, 128)
-            if MASK_K:
+            if X_DESC:
+                xk = x_ptr.load([pid_m * BLOCK_M, tile * 128])
+            elif MASK_K:
                 xk = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
             else:
                 xk = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)

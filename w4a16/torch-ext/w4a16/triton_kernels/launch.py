@@ -111,8 +111,13 @@ def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size
     grid = (triton.cdiv(m, block_m) * (qweight.shape[0] // block_n), splits)
     # Scaled operands keep one accumulator chain (the MMA overlaps the next tile's dequantization).
     packed, scale_weights = plan["packed"], plan["scale_weights"]
+    x_arg, qw_arg = x, qweight
+    if plan.get("x_desc", False):  # host descriptors: encoded per launch, captured by value in CUDA graphs
+        x_arg = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 128])
+    if plan.get("w_desc", False):
+        qw_arg = TensorDescriptor(qweight, list(qweight.shape), [qweight.stride(0), 1], [block_n, WORDS_PER_TILE])
     _dot_kernel[grid](
-        x, qweight, scales, _or(zeros, scales),
+        x_arg, qw_arg, scales, _or(zeros, scales),
         _or(codebook, scales), _or(bias, scales), target,
         m, n, k, num_tiles, per_split, qweight.shape[1] * 8 if group_size == -1 else group_size,
         x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
@@ -123,6 +128,7 @@ def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size
         # The interpreter computes bf16 dots wrongly (triton 3.9): it gets fp32 operands instead.
         UPCAST=interpreting() and x.dtype == torch.bfloat16,
         PACKED=packed, SCALE_WEIGHTS=scale_weights,
+        X_DESC=bool(plan.get("x_desc", False)), W_DESC=bool(plan.get("w_desc", False)),
         num_warps=plan.get("num_warps", 4),
     )
     if splits > 1:
