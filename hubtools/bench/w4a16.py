@@ -284,7 +284,7 @@ def tune(kernel, shapes=SHAPES, tokens=(1, 16, 64, 256, 1024), log: Callable[[st
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     warm_clocks()
     table, trials, winners, compiled_by_config = {}, [], {}, {}
-    jit_fns = {"gemv": tk._gemv_kernel, "gemv_half2": tk._gemv_h2_kernel, "dot": tk._dot_kernel}
+    jit_fns = {"gemv": tk.gemv._gemv_kernel, "gemv_half2": tk.gemv._gemv_h2_kernel, "dot": tk.dot._dot_kernel}
     for label, k, n in shapes:
         shape = _Shape(kernel, k, n)
         rows_padded, tiles = shape.qw.qweight.shape[0], shape.qw.qweight.shape[1] // 16
@@ -458,7 +458,7 @@ def compare_gemv(kernel, shapes=SHAPES + QWEN_SHAPES, out_dir=".", log: Callable
     warm_clocks()
     copy_bw = measure_copy_bandwidth()
     result = {"env": environment(), "copy_bandwidth": copy_bw, "shapes": [], "code": {}}
-    jit_fns = {"old": tk._gemv_kernel, "half2": tk._gemv_h2_kernel}
+    jit_fns = {"old": tk.gemv._gemv_kernel, "half2": tk.gemv._gemv_h2_kernel}
     compiled_for: dict[str, tuple] = {}
     for label, k, n in shapes:
         shape = _Shape(kernel, k, n)
@@ -586,7 +586,7 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     warm_clocks()
     result = {"env": environment(), "copy_bandwidth": measure_copy_bandwidth(), "rows": []}
-    jit_fns = {"gemv_half2": tk._gemv_h2_kernel, "dot": tk._dot_kernel, "gemv": tk._gemv_kernel}
+    jit_fns = {"gemv_half2": tk.gemv._gemv_h2_kernel, "dot": tk.dot._dot_kernel, "gemv": tk.gemv._gemv_kernel}
     resources: dict[str, dict] = {}
     for label, k, n in shapes:
         shape = _Shape(kernel, k, n)
