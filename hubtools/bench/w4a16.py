@@ -547,27 +547,32 @@ def _pipeline_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[d
 
 
 def _dot_pipeline_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[dict]:
-    """M > 1 tensor-core launches (E2 of docs/design/w4a16.md): the scale on the operand (one accumulator
-    chain, so the MMA runs asynchronously under the next tile's dequantization) and x / weight words through
-    TMA descriptors, on the tiles around the shipped ones, split-K where programs are few."""
+    """M > 1 launches (E2 of docs/design/w4a16.md; every row of the output files records its config): tensor-core
+    tiles with x and the weight words by pointer loads or TMA descriptors (`x_desc` / `w_desc`) at each split-K
+    that keeps programs within a few waves; at M >= 1024 also fused tiles against dequantize + cuBLAS with
+    either dequantize kernel (`natural`). Run 9 had also timed the scale on the operand at 4 warps: slower
+    everywhere, so it is left out."""
     if m <= 1:
         return []
     if m <= 16:
-        base = [(16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 3), (16, 32, 4, 4)]
+        base, most = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 32, 4, 3), (16, 64, 4, 4), (16, 128, 8, 3)], 8
     elif m <= 64:
-        base = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)]
+        base, most = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (32, 64, 4, 3)], 4
+    elif m <= 256:
+        base, most = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (256, 128, 8, 3), (64, 128, 4, 3),
+                      (64, 64, 4, 3)], 2
     else:
-        base = [(128, 64, 4, 3), (128, 64, 4, 2), (64, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 2)]
+        base, most = [(128, 64, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3), (128, 256, 8, 3)], 1
     out = []
-    for i, (bm, bn, w, st) in enumerate(base):
+    for bm, bn, w, st in base:
         programs = -(-m // bm) * (rows // bn)
-        fill = next((s for s in (2, 4, 8) if programs * s >= sm_count and tiles // s >= 4), None)
-        splits = [1] + ([fill] if programs < sm_count and fill else [])
-        # each change alone on the first tile shape, both together on every one
-        for sw, desc in ((True, True), (True, False), (False, True)) if i == 0 else ((True, True),):
+        splits = [s for s in (1, 2, 4, 8) if s == 1 or (programs * s <= most * sm_count and tiles // s >= 4)]
+        for desc in (True, False):
             out += [{"kernel": "dot", "block_m": bm, "block_n": bn, "split_k": s, "swap_ab": True, "num_warps": w,
-                     "num_stages": st, "full_tile": True, "packed": True, "scale_weights": sw, "x_desc": desc,
-                     "w_desc": desc} for s in splits]
+                     "num_stages": st, "full_tile": True, "packed": True, "scale_weights": m >= 1024 and bm == 256,
+                     "x_desc": desc, "w_desc": desc} for s in splits]
+    if m >= 1024:
+        out += [{"kernel": "dequant", "chunk_n": c, "natural": nat} for c in (0, 4096) for nat in (False, True)]
     return out
 
 

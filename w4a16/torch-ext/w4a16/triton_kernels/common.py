@@ -22,6 +22,14 @@ def _word_tiles(w_ptrs, tile, live, MASKED: tl.constexpr):
     return w
 
 
+@triton.jit
+def _natural_order(p0, p1, p2, p3, p4, p5, p6, p7):
+    """8 planes [R, 16] (plane j: tile columns 16 j + c) as one [R, 128] tile in column order."""
+    # [R, 16, 2, 2, 2] with plane index 4 t2 + 2 t1 + t0 -> [R, t2, t1, t0, c] -> column 16 j + c
+    planes = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+    return tl.reshape(tl.permute(planes, (0, 4, 3, 2, 1)), (planes.shape[0], 128))
+
+
 def _i32(bits: int) -> int:
     """A 32-bit pattern as the signed int32 Triton takes as a constant."""
     return bits - (1 << 32) if bits >= 1 << 31 else bits

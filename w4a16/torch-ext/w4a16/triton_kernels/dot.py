@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .common import _MAGIC, _MAGIC_BITS, _WORDS
+from .common import _MAGIC, _MAGIC_BITS, _WORDS, _natural_order
 
 
 # Tensor-core operands from integer ops: a nibble shifted into the top 4 mantissa bits of 1.0 (fp16 0x3C00:
@@ -41,14 +41,6 @@ def _unit_planes(w, BF16: tl.constexpr):
         p2, p6 = _unit_pair(w, 2, False)
         p3, p7 = _unit_pair(w, 6, False)
     return p0, p1, p2, p3, p4, p5, p6, p7
-
-
-@triton.jit
-def _natural_order(p0, p1, p2, p3, p4, p5, p6, p7):
-    """8 planes [R, 16] (plane j: tile columns 16 j + c) as one [R, 128] tile in column order."""
-    # [R, 16, 2, 2, 2] with plane index 4 t2 + 2 t1 + t0 -> [R, t2, t1, t0, c] -> column 16 j + c
-    planes = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
-    return tl.reshape(tl.permute(planes, (0, 4, 3, 2, 1)), (planes.shape[0], 128))
 
 
 @triton.jit
