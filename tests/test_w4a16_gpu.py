@@ -46,11 +46,11 @@ def _weight(n, kk, dtype, seed=0):
 @pytest.mark.parametrize("natural", [False, True])
 @pytest.mark.parametrize("fmt,zero_point,group_size", [("int4", True, 64), ("int4", False, -1), ("nf4", False, 64)])
 def test_dequantize_matches_pytorch_reference(k, natural, fmt, zero_point, group_size):
-    """Both dequantize kernels, bit for bit, on poisoned outputs (K = 3200 ends inside a 128-column tile)."""
-    qw = k.quantize(_weight(1000, 3200, torch.float16), group_size=group_size, zero_point=zero_point, fmt=fmt)
+    """Both dequantize kernels, bit for bit, on poisoned outputs (K = 3136 ends inside a 128-column tile)."""
+    qw = k.quantize(_weight(1000, 3136, torch.float16), group_size=group_size, zero_point=zero_point, fmt=fmt)
     ref = k.dequantize(qw.to("cpu"), torch.float32)
-    out = torch.full((1000, 3200), float("nan"), device="cuda")
-    k.triton_kernels.dequantize(qw.qweight, qw.scales, qw.zeros, qw.codebook, 1000, 3200, group_size, torch.float32,
+    out = torch.full((1000, 3136), float("nan"), device="cuda")
+    k.triton_kernels.dequantize(qw.qweight, qw.scales, qw.zeros, qw.codebook, 1000, 3136, group_size, torch.float32,
                                 out=out, natural=natural)
     assert torch.equal(out.cpu(), ref)
 
