@@ -39,7 +39,6 @@ CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot an
     "dot-packed-tma": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True, "packed": True,
                        "scale_weights": True, "x_desc": True, "w_desc": True},
     "dequant-chunks": {"kernel": "dequant", "chunk_n": 128},
-    "dequant-natural-chunks": {"kernel": "dequant", "chunk_n": 128, "natural": True},
     # The packed-fp16 GEMV, emulated in the interpreter (no inline PTX there): its tiles, masks, split-K and
     # zero points; formats and dtypes it does not take (groups of 32 / 64, NF4, bf16) run the portable GEMV.
     "gemv-half2": {"kernel": "gemv", "block_n": 64, "tiles": 2, "split_k": 1, "half2": True},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import platform
 import sys
 from typing import Callable, Sequence
@@ -130,5 +131,14 @@ def environment(command: Sequence[str] | None = None, device: torch.device | str
         "transformers": version("transformers"),
         "kernels": version("kernels"),
         "python": platform.python_version(),
-        "command": "python " + " ".join(command if command is not None else sys.argv),
+        "command": "python " + " ".join(_portable(arg) for arg in (command if command is not None else sys.argv)),
     }
+
+
+def _portable(arg: str) -> str:
+    """A command-line argument without this machine's paths: absolute paths relative to the working
+    directory where they lie inside it, else their file name."""
+    if not os.path.isabs(arg):
+        return arg
+    cwd = os.getcwd()
+    return os.path.relpath(arg, cwd) if os.path.commonpath([arg, cwd]) == cwd else os.path.basename(arg)

@@ -549,9 +549,9 @@ def _pipeline_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[d
 def _dot_pipeline_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[dict]:
     """M > 1 launches (E2 of docs/design/w4a16.md; every row of the output files records its config): tensor-core
     tiles with x and the weight words by pointer loads or TMA descriptors (`x_desc` / `w_desc`) at each split-K
-    that keeps programs within a few waves; at M >= 1024 also fused tiles against dequantize + cuBLAS with
-    either dequantize kernel (`natural`). Run 9 had also timed the scale on the operand at 4 warps: slower
-    everywhere, so it is left out."""
+    that keeps programs within a few waves; at M >= 1024 also fused tiles against dequantize + cuBLAS (run 10
+    also timed the dequantize kernel before E2b, as `natural: false`). Run 9 had also timed the scale on the
+    operand at 4 warps: slower everywhere, so it is left out."""
     if m <= 1:
         return []
     if m <= 16:
@@ -572,7 +572,7 @@ def _dot_pipeline_candidates(m: int, rows: int, tiles: int, sm_count: int) -> li
                      "num_stages": st, "full_tile": True, "packed": True, "scale_weights": m >= 1024 and bm == 256,
                      "x_desc": desc, "w_desc": desc} for s in splits]
     if m >= 1024:
-        out += [{"kernel": "dequant", "chunk_n": c, "natural": nat} for c in (0, 4096) for nat in (False, True)]
+        out += [{"kernel": "dequant", "chunk_n": c} for c in (0, 4096)]
     return out
 
 
@@ -646,6 +646,36 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
     return result
 
 
+def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.03) -> list[str]:
+    """Put the fastest verified launch of a `compare_decode` result into `table` for each of `shapes` and
+    each M measured (its bucket), where it beats the shipped config timed beside it by more than `min_gain`
+    (smaller differences are run-to-run noise); returns one line per change. Shapes outside `shapes` (the
+    untuned ones that check the heuristic) are never written."""
+    labels = {label: (k, n) for label, k, n in shapes}
+    best: dict[tuple, dict] = {}
+    shipped: dict[tuple, dict] = {}
+    for row in result["rows"]:
+        key = (row["shape"], row["m"])
+        if row["shape"] not in labels or "us" not in row:
+            continue
+        if row["impl"] == "shipped":
+            shipped[key] = row
+        elif row["impl"] == "candidate" and (key not in best or row["us"] < best[key]["us"]):
+            best[key] = row
+    changes = []
+    for key, row in sorted(best.items()):
+        label, m = key
+        if key in shipped and row["us"] > shipped[key]["us"] * (1 - min_gain):
+            continue
+        k, n = labels[label]
+        table.setdefault("shapes", {}).setdefault(f"{n}x{k}", {})[str(m)] = row["config"]
+        was = f"{shipped[key]['us']:.1f}" if key in shipped else "-"
+        changes.append(f"{label} M={m}: {was} -> {row['us']:.1f} us {json.dumps(row['config'], sort_keys=True)}")
+    env = result["env"]
+    table.setdefault("measured", []).append({key: env[key] for key in ("date", "torch", "triton", "cuda", "command")})
+    return changes
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m hubtools.bench.w4a16 --out tune.json [--shapes LABEL ...] [--tokens M ...]`: build the
     kernel, run `tune`, and write the launch table (``shapes``) with every trial and the environment."""
@@ -663,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
     parser.add_argument("--tokens", nargs="*", type=int, default=[1, 16, 64, 256, 1024])
-    parser.add_argument("--table", type=Path, help="also write the launch table the kernel ships here")
+    parser.add_argument("--table", type=Path, help="also write the launch table the kernel ships here (with "
+                        "--compare-decode: merge the winners that beat the shipped configs, see merge_compare)")
     parser.add_argument("--code", type=Path, help="write the winning M=1 / M=16 kernels' TTGIR, PTX, cubin here")
     parser.add_argument("--decode-run", action="store_true",
                         help="instead of the sweep: the benchmark (`run`) at M=1 only, Llama-3 and Qwen2.5-1.5B "
@@ -689,8 +720,13 @@ def main(argv: list[str] | None = None) -> int:
         chosen = every if args.shapes == [s[0] for s in SHAPES] else tuple(s for s in every if s[0] in args.shapes)
         with tempfile.TemporaryDirectory() as tmp:
             module = kernels.get_local_kernel(build_kernel(project, Path(tmp)) / "build")
-            compare_decode(module, shapes=chosen, tokens=tuple(args.tokens), out_path=args.out)
+            compared = compare_decode(module, shapes=chosen, tokens=tuple(args.tokens), out_path=args.out)
         print(f"wrote {args.out}")
+        if args.table:
+            table = json.loads(args.table.read_text())
+            print("\n".join(merge_compare(table, compared)))
+            args.table.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            print(f"wrote {args.table}")
         return 0
     if args.compare_gemv:
         with tempfile.TemporaryDirectory() as tmp:

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .common import _MAGIC, _MAGIC_BITS, _WORDS, _natural_order
+from .common import _WORDS, _natural_order, _plane, _tile_in_k_order
 
 
 # Tensor-core operands from integer ops: a nibble shifted into the top 4 mantissa bits of 1.0 (fp16 0x3C00:
@@ -41,29 +41,6 @@ def _unit_planes(w, BF16: tl.constexpr):
         p2, p6 = _unit_pair(w, 2, False)
         p3, p7 = _unit_pair(w, 6, False)
     return p0, p1, p2, p3, p4, p5, p6, p7
-
-
-@triton.jit
-def _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, J: tl.constexpr,
-           NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SCALE_ON_ACC: tl.constexpr):
-    """Nibble plane J of a [BLOCK_N, 16] word tile (K-columns 128 tile + 16 J + c) as fp32: ``code - zero``
-    (times its group's scale unless the scale is applied to the accumulator), or the NF4 value."""
-    code = (w >> (4 * J)) & 0xF
-    if not PER_CHANNEL:
-        param_offs = ((tile * 128 + J * 16) // group_size).to(tl.int64) * stride_sg + rows
-    if NF4:
-        v = tl.load(cb_ptr + code)
-    else:
-        v = (code | _MAGIC_BITS).to(tl.float32, bitcast=True)
-        if HAS_ZERO:
-            if not PER_CHANNEL:
-                zero = tl.load(z_ptr + param_offs).to(tl.float32)[:, None]
-            v = v - (zero + _MAGIC)
-        else:
-            v = v - (_MAGIC + 8.0)
-    if not SCALE_ON_ACC and not PER_CHANNEL:
-        v = v * tl.load(s_ptr + param_offs).to(tl.float32)[:, None]
-    return v
 
 
 @triton.jit
@@ -161,23 +138,8 @@ def _dot_kernel(
             else:
                 part = tl.dot(xt, tl.trans(wt), part)
         elif FULL_TILE:
-            p0 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 0, NF4, HAS_ZERO,
-                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
-            p1 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 1, NF4, HAS_ZERO,
-                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
-            p2 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 2, NF4, HAS_ZERO,
-                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
-            p3 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 3, NF4, HAS_ZERO,
-                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
-            p4 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 4, NF4, HAS_ZERO,
-                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
-            p5 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 5, NF4, HAS_ZERO,
-                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
-            p6 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 6, NF4, HAS_ZERO,
-                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
-            p7 = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 7, NF4, HAS_ZERO,
-                        PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
-            wt = _natural_order(p0, p1, p2, p3, p4, p5, p6, p7)
+            wt = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, NF4, HAS_ZERO,
+                                  PER_CHANNEL, SCALE_ON_ACC, dot_dtype)
             if SWAP_AB:
                 part = tl.dot(wt, tl.trans(xk.to(dot_dtype)), part)
             else:

@@ -9,7 +9,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..formats import WORDS_PER_TILE
 from ..tuning import interpreting, resolve
 from .common import _splitk_reduce_kernel
-from .dequant import _dequant_kernel, _dequant_natural_kernel
+from .dequant import _dequant_kernel
 from .dot import _dot_kernel
 from .gemv import _gemv_h2_kernel, _gemv_kernel, _x_to_fp16_kernel
 
@@ -135,7 +135,7 @@ def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size
         _reduce_splits(target, bias, out, n)
 
 
-def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None, natural=False) -> torch.Tensor:
+def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None) -> torch.Tensor:
     """Dequantized weight ``[n, k]`` in stored K order (rows of a chunk when qweight is a row slice)."""
     if out is None:
         out = torch.empty(n, k, dtype=dtype, device=qweight.device)
@@ -144,7 +144,7 @@ def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=No
     flags = _format_flags(zeros, codebook, group_size)
     del flags["SUBG"]
     grid = (triton.cdiv(n, block_n), triton.cdiv(num_tiles, tiles))
-    (_dequant_natural_kernel if natural else _dequant_kernel)[grid](
+    _dequant_kernel[grid](
         qweight, scales, _or(zeros, scales),
         _or(codebook, scales), out,
         n, k, num_tiles, qweight.shape[1] * 8 if group_size == -1 else group_size,
@@ -160,7 +160,7 @@ def _launch_dequant_matmul(x, qweight, scales, zeros, codebook, bias, out, n, k,
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         weight = dequantize(qweight[start:], scales[:, start:], None if zeros is None else zeros[:, start:],
-                            codebook, stop - start, k, group_size, x.dtype, natural=bool(plan.get("natural", False)))
+                            codebook, stop - start, k, group_size, x.dtype)
         target = out[:, start:stop]
         if bias is None:
             torch.mm(x, weight.t(), out=target)
