@@ -207,7 +207,9 @@ def test_resolve_makes_every_choice_once(k):
     odd = torch.zeros(2, 129, dtype=torch.float16)[:, :127]  # rows of 258 bytes: not 16-byte aligned for TMA
     assert not k.tuning.resolve(tma, odd, None, 128)["x_desc"] and k.tuning.resolve(tma, odd, None, 128)["w_desc"]
     nf4 = k.tuning.resolve(dot, x16, torch.zeros(16), 128)
-    assert not nf4["packed"] and not nf4["scale_weights"]
+    assert not nf4["packed"] and not nf4["scale_weights"] and not nf4["nf4_tables"]  # not a full-tile config
+    assert k.tuning.resolve({**dot, "full_tile": True}, x16, torch.zeros(16), 128)["nf4_tables"]  # emulated here
+    assert not k.tuning.resolve({**dot, "full_tile": True}, x16, None, 128)["nf4_tables"]
 
 
 def test_bf16_activations_to_fp16_per_tile(k):

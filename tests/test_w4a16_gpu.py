@@ -166,6 +166,26 @@ def test_packed_dot_vs_float64(k, zero_point, group_size, dtype, block_m, block_
 
 @pytest.mark.parametrize("group_size", [64, 128, -1])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("swap_ab,descs", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("nf4_tables", [True, False])
+def test_nf4_dot_vs_float64(k, group_size, dtype, swap_ab, descs, nf4_tables):
+    """NF4 on the full-tile dot path, the codebook looked up by byte permutes (or gathered), on poisoned outputs
+    against float64; M = 37 leaves a partial token tile, K per channel is not a multiple of 128."""
+    n, kk, m = 3000, 5120 if group_size != -1 else 5000, 37
+    qw = k.quantize(_weight(n, kk, dtype, seed=8), group_size=group_size, fmt="nf4")
+    x = torch.randn(m, kk, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    config = {"kernel": "dot", "block_m": 64, "block_n": 64, "split_k": 2, "swap_ab": swap_ab, "num_warps": 4,
+              "num_stages": 3, "full_tile": True, "x_desc": descs, "w_desc": descs, "nf4_tables": nf4_tables}
+    assert k.tuning.resolve(config, x, qw.codebook, group_size)["nf4_tables"] == nf4_tables
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, group_size, config, out=out)
+    assert not out.isnan().any()
+    assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("group_size", [64, 128, -1])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("pipeline", [{}, {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True},
                                       {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True, "num_warps": 2}],
                          ids=["plain", "bcast-tma", "bcast-tma-2warps"])

@@ -2,7 +2,7 @@
 
 `run(kernel)`: the Llama-3-8B / 70B linear shapes x M in TOKENS, int4 group 128 fp16 against cuBLAS fp16
 ``F.linear`` (weights dequantized from the same codes); bf16 on BF16_SHAPES at every M against cuBLAS bf16
-and PyTorch's int4 GEMM (``aten._weight_int4pack_mm``, tinygemm, same codes and scales); NF4 at M = 1.
+and PyTorch's int4 GEMM (``aten._weight_int4pack_mm``, tinygemm, same codes and scales); NF4 at every M.
 Every timed output is first checked against an fp32 matmul with the dequantized weight. Weights and
 activations rotate through copies far larger than L2. Bytes are what each op must move once (ours: the
 packed codes + scales as stored, activations, output); ``ideal_bytes`` is the all-int4 floor (N*K/2 +
@@ -76,10 +76,10 @@ def _int4pack(codes: torch.Tensor, scales: torch.Tensor, n: int, k: int):
 class _Shape:
     """Rotated copies of one shape's weights: ours (int4 / nf4), the fp16/bf16 dequantized weight."""
 
-    def __init__(self, kernel, k: int, n: int, fmt: str = "int4"):
+    def __init__(self, kernel, k: int, n: int, fmt: str = "int4", group: int = GROUP):
         self.kernel, self.k, self.n = kernel, k, n
         weight = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-        self.qw = kernel.quantize(weight, group_size=GROUP, fmt=fmt)
+        self.qw = kernel.quantize(weight, group_size=group, fmt=fmt)
         del weight
         self.copies = rotation_count(self.qw.nbytes())
         self.qws = [self.qw] + [dataclasses.replace(self.qw, qweight=self.qw.qweight.clone(),
@@ -139,13 +139,14 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
             rows += _bf16_rows(kernel, shape, label, notes)
         del shape
         nf4 = _Shape(kernel, k, n, fmt="nf4")
-        xs = _inputs(1, k, torch.float16, nf4.copies)
-        t, err = _time_verified(lambda i: kernel.matmul(xs[i], nf4.qws[i]), nf4.copies, xs, nf4.reference,
-                                torch.float16, {})
-        rows.append({"case": f"{label} M=1 fp16", "impl": "ours-nf4", "seconds": t, "bytes": nf4.our_bytes(1),
-                     "ideal_bytes": nf4.ideal_bytes(1), "baseline": "cublas-fp16", "rel_err": err,
-                     "flops": 2 * n * k})
-        del nf4
+        for m in tokens:
+            xs = _inputs(m, k, torch.float16, nf4.copies)
+            t, err = _time_verified(lambda i: kernel.matmul(xs[i], nf4.qws[i]), nf4.copies, xs, nf4.reference,
+                                    torch.float16, _timing_plan(m))
+            rows.append({"case": f"{label} M={m} fp16", "impl": "ours-nf4", "seconds": t, "bytes": nf4.our_bytes(m),
+                         "ideal_bytes": nf4.ideal_bytes(m), "baseline": "cublas-fp16", "rel_err": err,
+                         "flops": 2 * m * n * k})
+        del nf4, xs
         torch.cuda.empty_cache()
     return {"kernel": "w4a16", "env": environment(), "copy_bandwidth": copy_bw, "matmul_flops": flops_peak,
             "rows": rows, "notes": notes}
@@ -210,10 +211,18 @@ def goals(results: dict) -> list[dict]:
         if ratios:
             goal(f"M={m}: geomean speed-up vs cuBLAS fp16", f"M={m} fp16, {len(ratios)} shapes", geomean(ratios),
                  target)
-    nf4 = [c["ours"]["seconds"] / c["ours-nf4"]["seconds"] for c in by_case.values() if "ours-nf4" in c and "ours" in c]
-    if nf4:
-        goal("NF4 M=1: geomean int4 time / NF4 time", f"M=1 fp16, {len(nf4)} shapes", geomean(nf4),
-             GOAL_NF4_VS_INT4)
+    for m in GOALS:
+        nf4 = [c["ours"]["seconds"] / c["ours-nf4"]["seconds"] for name, c in by_case.items()
+               if name.endswith(f" M={m} fp16") and "ours-nf4" in c and "ours" in c]
+        if nf4:
+            goal(f"NF4 M={m}: geomean int4 time / NF4 time", f"M={m} fp16, {len(nf4)} shapes", geomean(nf4),
+                 GOAL_NF4_VS_INT4)
+        bf16 = [by_case[name.replace(" bf16", " fp16")]["ours"]["seconds"] / c["ours"]["seconds"]
+                for name, c in by_case.items() if name.endswith(f" M={m} bf16") and "ours" in c
+                and "ours" in by_case.get(name.replace(" bf16", " fp16"), {})]
+        if bf16:
+            goal(f"bf16 M={m}: geomean fp16 time / bf16 time", f"M={m}, {len(bf16)} shapes", geomean(bf16),
+                 GOAL_NF4_VS_INT4)
     for name, c in by_case.items():
         if name.startswith("L3-70B") and name.endswith(" M=1 fp16"):
             r = c["ours"]
@@ -576,13 +585,26 @@ def _dot_pipeline_candidates(m: int, rows: int, tiles: int, sm_count: int) -> li
     return out
 
 
-def _decode_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[dict]:
+def _decode_candidates(m: int, rows: int, tiles: int, sm_count: int, fmt: str = "int4") -> list[dict]:
+    if fmt == "nf4":
+        return _nf4_candidates(m, rows, tiles, sm_count)
     return _pipeline_candidates(m, rows, tiles, sm_count) + _dot_pipeline_candidates(m, rows, tiles, sm_count)
 
 
+def _nf4_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[dict]:
+    """NF4 at M > 1 (E3 of docs/design/w4a16.md): the int4 tiles with the codebook looked up by byte permutes,
+    the first of them also with the per-weight gathers of before, and dequantize + cuBLAS."""
+    tiles_ = _dot_pipeline_candidates(m, rows, tiles, sm_count)
+    dots = [dict(c, packed=False, nf4_tables=True) for c in tiles_ if c["kernel"] == "dot" and c["split_k"] <= 4
+            and c["x_desc"] == (m > 16)]
+    gathers = [dict(c, nf4_tables=False) for c in dots[:2]]
+    return dots + gathers + [{"kernel": "dequant", "chunk_n": c} for c in (0, 4096)]
+
+
 def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1,), candidates=_decode_candidates,
-                   out_path=None, log: Callable[[str], None] = print) -> dict:
-    """int4 g128 fp16 at each M in `tokens`: the shipped config (`tuning.select`), every candidate launch and
+                   out_path=None, log: Callable[[str], None] = print, fmt: str = "int4", group: int = GROUP) -> dict:
+    """`fmt` (int4 with zero points, or NF4) with groups of `group` and fp16 activations at each M in `tokens`:
+    the shipped config (`tuning.select`), every candidate launch and
     cuBLAS fp16 in one process, each verified against the float64-exact fp32 reference and graph-timed
     (rotated weights), with registers / shared memory of each compiled variant. Written to `out_path` after
     every shape, so a run cut short keeps what it measured."""
@@ -590,11 +612,11 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
     device = torch.device("cuda")
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     warm_clocks()
-    result = {"env": environment(), "copy_bandwidth": measure_copy_bandwidth(), "rows": []}
+    result = {"env": environment(), "copy_bandwidth": measure_copy_bandwidth(), "fmt": fmt, "group": group, "rows": []}
     jit_fns = {"gemv_half2": tk.gemv._gemv_h2_kernel, "dot": tk.dot._dot_kernel, "gemv": tk.gemv._gemv_kernel}
     resources: dict[str, dict] = {}
     for label, k, n in shapes:
-        shape = _Shape(kernel, k, n)
+        shape = _Shape(kernel, k, n, fmt=fmt, group=group)
         rows_padded, tiles = shape.qw.qweight.shape[0], shape.qw.qweight.shape[1] // 16
         dense16 = shape.dense_copies(torch.float16)
         for m in tokens:
@@ -606,7 +628,7 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
             def evaluate(name, cfg):
                 def call(i):
                     q = shape.qws[i % shape.copies]
-                    return tk.matmul(xs[i], q.qweight, q.scales, q.zeros, q.codebook, None, n, k, GROUP, cfg)
+                    return tk.matmul(xs[i], q.qweight, q.scales, q.zeros, q.codebook, None, n, k, group, cfg)
 
                 before = _snapshot(jit_fns)
                 row = {"shape": label, "N": n, "K": k, "m": m, "impl": name, "config": cfg}
@@ -623,7 +645,7 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
                             rel_err=err, code=resources.get(key))
 
             shipped = evaluate("shipped", dict(tuning.select(m, n, k, device)))
-            trials = [evaluate("candidate", c) for c in candidates(m, rows_padded, tiles, sm_count)]
+            trials = [evaluate("candidate", c) for c in candidates(m, rows_padded, tiles, sm_count, fmt)]
             t_cublas, cublas_err = _time_verified(lambda i: F.linear(xs[i], dense16[i % len(dense16)]), len(dense16),
                                                   xs, lambda _: ref, torch.float16, plan)
             cublas = {"shape": label, "N": n, "K": k, "m": m, "impl": "cublas-fp16", "us": t_cublas * 1e6,
@@ -651,6 +673,8 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     each M measured (its bucket), where it beats the shipped config timed beside it by more than `min_gain`
     (smaller differences are run-to-run noise); returns one line per change. Shapes outside `shapes` (the
     untuned ones that check the heuristic) are never written."""
+    if (result.get("fmt", "int4"), result.get("group", GROUP)) != ("int4", GROUP):
+        raise ValueError(f"the table is tuned on int4 g{GROUP}; this result is {result.get('fmt')} g{result.get('group')}")
     labels = {label: (k, n) for label, k, n in shapes}
     best: dict[tuple, dict] = {}
     shipped: dict[tuple, dict] = {}
@@ -702,6 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-decode", action="store_true",
                         help="instead of the sweep: shipped config vs decode-path candidates vs cuBLAS at --tokens "
                              "(compare_decode; Llama-3, Qwen2.5-1.5B and untuned shapes, or --shapes)")
+    parser.add_argument("--fmt", choices=("int4", "nf4"), default="int4", help="--compare-decode's weight format")
+    parser.add_argument("--group", type=int, default=GROUP, help="--compare-decode's group size")
     parser.add_argument("--compare-gemv", action="store_true",
                         help="instead of the sweep: M=1 fp32 GEMV vs packed-fp16 GEMV candidates vs cuBLAS "
                              "(compare_gemv)")
@@ -720,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
         chosen = every if args.shapes == [s[0] for s in SHAPES] else tuple(s for s in every if s[0] in args.shapes)
         with tempfile.TemporaryDirectory() as tmp:
             module = kernels.get_local_kernel(build_kernel(project, Path(tmp)) / "build")
-            compared = compare_decode(module, shapes=chosen, tokens=tuple(args.tokens), out_path=args.out)
+            compared = compare_decode(module, shapes=chosen, tokens=tuple(args.tokens), out_path=args.out,
+                                      fmt=args.fmt, group=args.group)
         print(f"wrote {args.out}")
         if args.table:
             table = json.loads(args.table.read_text())

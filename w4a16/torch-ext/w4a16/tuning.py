@@ -9,7 +9,8 @@ in by TMA; with ``num_stages`` > 1 either is software-pipelined through shared m
 ``{"kernel": "dot", "block_m", "block_n", "split_k", "swap_ab", "full_tile", "packed", "scale_weights",
 "num_warps", "num_stages", "x_desc", "w_desc"}`` (``packed``: operands made by integer ops where the format allows,
 see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the operand rather than the accumulator;
-``x_desc`` / ``w_desc``: x and the weight words by TMA descriptors, where x's rows are 16-byte aligned) or
+``x_desc`` / ``w_desc``: x and the weight words by TMA descriptors, where x's rows are 16-byte aligned;
+``nf4_tables``: NF4 operands by byte permutes rather than gathers, on by default where PTX runs) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
@@ -152,5 +153,9 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int) -> dict:
         x_desc = (bool(config.get("x_desc", False)) and full_tile and x.stride(-1) == 1
                   and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
         w_desc = bool(config.get("w_desc", False)) and full_tile
-        return {**config, "packed": packed, "scale_weights": scale_weights, "x_desc": x_desc, "w_desc": w_desc}
+        # NF4 operands by byte permutes (inline PTX: NVIDIA, or emulated in the interpreter) unless a config says not
+        nf4_tables = (codebook is not None and full_tile and bool(config.get("nf4_tables", True))
+                      and (interpreting() or (x.device.type == "cuda" and torch.version.hip is None)))
+        return {**config, "packed": packed, "scale_weights": scale_weights, "x_desc": x_desc, "w_desc": w_desc,
+                "nf4_tables": nf4_tables}
     return dict(config)

@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from .common import _WORDS, _natural_order, _plane, _tile_in_k_order
+from .nf4 import _nf4_pairs, _nf4_tables
 
 
 # Tensor-core operands from integer ops: a nibble shifted into the top 4 mantissa bits of 1.0 (fp16 0x3C00:
@@ -44,6 +45,34 @@ def _unit_planes(w, BF16: tl.constexpr):
 
 
 @triton.jit
+def _nf4_plane(q, tile, rows, s_ptr, group_size, stride_sg, J: tl.constexpr, SCALED: tl.constexpr,
+               DTYPE: tl.constexpr):
+    """Nibble plane J as DTYPE from the fp16 bits of codebook[code] / 16 in the low half of `q` (times its
+    group's scale when SCALED, in fp32, so the operand is rounded once)."""
+    v = q.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16.0
+    if SCALED:
+        v = v * tl.load(s_ptr + ((tile * 128 + J * 16) // group_size).to(tl.int64) * stride_sg + rows).to(tl.float32)[:, None]
+    return v.to(DTYPE)
+
+
+@triton.jit
+def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, group_size, stride_sg, SCALED: tl.constexpr,
+                         DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """A [BLOCK_N, 16] NF4 word tile as one [BLOCK_N, 128] operand in K order, the codebook looked up by byte
+    permutes (`nf4._nf4_pairs`) instead of one gather per weight."""
+    q0, q1, q2, q3 = _nf4_pairs(w, tables, cb_ptr, EMULATE)
+    return _natural_order(
+        _nf4_plane(q0, tile, rows, s_ptr, group_size, stride_sg, 0, SCALED, DTYPE),
+        _nf4_plane(q1, tile, rows, s_ptr, group_size, stride_sg, 1, SCALED, DTYPE),
+        _nf4_plane(q2, tile, rows, s_ptr, group_size, stride_sg, 2, SCALED, DTYPE),
+        _nf4_plane(q3, tile, rows, s_ptr, group_size, stride_sg, 3, SCALED, DTYPE),
+        _nf4_plane(q0 >> 16, tile, rows, s_ptr, group_size, stride_sg, 4, SCALED, DTYPE),
+        _nf4_plane(q1 >> 16, tile, rows, s_ptr, group_size, stride_sg, 5, SCALED, DTYPE),
+        _nf4_plane(q2 >> 16, tile, rows, s_ptr, group_size, stride_sg, 6, SCALED, DTYPE),
+        _nf4_plane(q3 >> 16, tile, rows, s_ptr, group_size, stride_sg, 7, SCALED, DTYPE))
+
+
+@triton.jit
 def _dot_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
     M, N, K, num_tiles, tiles_per_split, group_size,
@@ -52,7 +81,7 @@ def _dot_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_K: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
     FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
-    X_DESC: tl.constexpr, W_DESC: tl.constexpr,
+    X_DESC: tl.constexpr, W_DESC: tl.constexpr, NF4_TABLES: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """Tensor-core path. Per K-tile either 8 dots of K=16 (one per nibble plane: a contiguous K run) or,
     with FULL_TILE, the 8 planes interleaved back into natural K order and one dot of K=128.
@@ -70,6 +99,10 @@ def _dot_kernel(
     X_DESC / W_DESC: x (boxes [BLOCK_M, 128]) and the weight words (boxes [BLOCK_N, 16]) come through host
     tensor descriptors (TMA; `STAGES` deep), zero-filled past M and K, instead of pointer loads (full-tile
     paths only).
+
+    NF4_TABLES (NF4 on the full-tile path, NVIDIA): the codebook is looked up by byte permutes
+    (`_nf4_tile_in_k_order`) rather than gathered per weight; EMULATE runs the same bit logic by gathers (the
+    interpreter).
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -97,6 +130,9 @@ def _dot_kernel(
         scale = tl.load(s_ptr + rows).to(tl.float32)
         if HAS_ZERO:
             zero = tl.load(z_ptr + rows).to(tl.float32)[:, None]
+    tables = 0
+    if NF4_TABLES and not EMULATE:
+        tables = _nf4_tables(cb_ptr)
     if UPCAST:
         dot_dtype = tl.float32
     elif X_DESC:
@@ -132,14 +168,13 @@ def _dot_kernel(
             if SCALE_WEIGHTS:  # the group's scale times 16 on the operand, rounded once like a dequantized weight
                 wt = wt * (tl.load(s_ptr + group_offs).to(tl.float32) * 16.0).to(dot_dtype)[:, None]
             wt = wt.to(dot_dtype)
-            xt = xk.to(dot_dtype)
-            if SWAP_AB:
-                part = tl.dot(wt, tl.trans(xt), part)
-            else:
-                part = tl.dot(xt, tl.trans(wt), part)
+        elif FULL_TILE and NF4_TABLES:
+            wt = _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, group_size, stride_sg,
+                                      not SCALE_ON_ACC and not PER_CHANNEL, dot_dtype, EMULATE)
         elif FULL_TILE:
             wt = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, NF4, HAS_ZERO,
                                   PER_CHANNEL, SCALE_ON_ACC, dot_dtype)
+        if PACKED or FULL_TILE:
             if SWAP_AB:
                 part = tl.dot(wt, tl.trans(xk.to(dot_dtype)), part)
             else:

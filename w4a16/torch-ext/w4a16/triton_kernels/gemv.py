@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from .common import _MAGIC, _MAGIC_BITS, _WORDS, _i32, _word_tiles
+from .nf4 import _nf4_tables
 
 
 @triton.jit
@@ -246,32 +247,6 @@ _NF4_ASM = tl.constexpr(
     + "shr.b32 w2, $2, 16;\n"
     + _NF4_HALF_ASM.replace("W", "w2").replace("XA", "$13").replace("XB", "$14").replace("OUT", "$1")
     + "}")
-
-
-@triton.jit
-def _nf4_byte(cb_ptr, i: tl.constexpr, HIGH: tl.constexpr):
-    """Byte HIGH of codebook entry i / 16 as fp16, in bits 8 (i % 4) and up."""
-    bits = (tl.load(cb_ptr + i) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    if HIGH:
-        bits = bits >> 8
-    return (bits & 0xFF) << (8 * (i % 4))
-
-
-@triton.jit
-def _nf4_quad(cb_ptr, q: tl.constexpr, HIGH: tl.constexpr):
-    """One PRMT table register: byte HIGH of entries 4q .. 4q + 3."""
-    return (_nf4_byte(cb_ptr, 4 * q, HIGH) | _nf4_byte(cb_ptr, 4 * q + 1, HIGH) | _nf4_byte(cb_ptr, 4 * q + 2, HIGH)
-            | _nf4_byte(cb_ptr, 4 * q + 3, HIGH))
-
-
-@triton.jit
-def _nf4_tables(cb_ptr):
-    """The 8 PRMT table registers of the codebook / 16 as fp16 (see _NF4_ASM): low bytes of entries 0-3,
-    4-7, 8-11, 12-15, then high bytes. Built from scalar loads, which ptxas keeps in ordinary registers (built
-    with a reduction they sat in uniform registers and every PRMT copied them out first)."""
-    return (_nf4_quad(cb_ptr, 0, False), _nf4_quad(cb_ptr, 1, False), _nf4_quad(cb_ptr, 2, False),
-            _nf4_quad(cb_ptr, 3, False), _nf4_quad(cb_ptr, 0, True), _nf4_quad(cb_ptr, 1, True),
-            _nf4_quad(cb_ptr, 2, True), _nf4_quad(cb_ptr, 3, True))
 
 
 @triton.jit

@@ -1,0 +1,89 @@
+"""NF4 codebook lookups by byte permutes (PRMT), shared by the packed-fp16 GEMV and the tensor-core kernel.
+
+The 16 codebook values / 16, as fp16, live in 8 registers: the low bytes of entries 0-3, 4-7, 8-11, 12-15 and
+then their high bytes (`_nf4_tables`). One PRMT looks up 4 bytes at once in an 8-byte table by the low 3 bits of
+4 nibbles; bit 3 of each nibble, made a byte mask by one more PRMT (selector 0xC replicates the sign of a 0x80
+byte), picks the table half with a LOP3.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _nf4_byte(cb_ptr, i: tl.constexpr, HIGH: tl.constexpr):
+    """Byte HIGH of codebook entry i / 16 as fp16, in bits 8 (i % 4) and up."""
+    bits = (tl.load(cb_ptr + i) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    if HIGH:
+        bits = bits >> 8
+    return (bits & 0xFF) << (8 * (i % 4))
+
+
+@triton.jit
+def _nf4_quad(cb_ptr, q: tl.constexpr, HIGH: tl.constexpr):
+    """One PRMT table register: byte HIGH of entries 4q .. 4q + 3."""
+    return (_nf4_byte(cb_ptr, 4 * q, HIGH) | _nf4_byte(cb_ptr, 4 * q + 1, HIGH) | _nf4_byte(cb_ptr, 4 * q + 2, HIGH)
+            | _nf4_byte(cb_ptr, 4 * q + 3, HIGH))
+
+
+@triton.jit
+def _nf4_tables(cb_ptr):
+    """The 8 PRMT table registers of the codebook / 16 as fp16 (see _NF4_ASM): low bytes of entries 0-3,
+    4-7, 8-11, 12-15, then high bytes. Built from scalar loads, which ptxas keeps in ordinary registers (built
+    with a reduction they sat in uniform registers and every PRMT copied them out first)."""
+    return (_nf4_quad(cb_ptr, 0, False), _nf4_quad(cb_ptr, 1, False), _nf4_quad(cb_ptr, 2, False),
+            _nf4_quad(cb_ptr, 3, False), _nf4_quad(cb_ptr, 0, True), _nf4_quad(cb_ptr, 1, True),
+            _nf4_quad(cb_ptr, 2, True), _nf4_quad(cb_ptr, 3, True))
+
+
+# The tensor-core kernel's NF4 operands: for each 32-bit word, 4 fp16 pairs (codebook[nibble J] / 16 in the low
+# half, codebook[nibble J + 4] / 16 in the high half), the layout `dot._unit_pair` gives int4. Bytes 0 and 2 of
+# the word (nibbles 0, 1, 4, 5) and then bytes 1 and 3 (nibbles 2, 3, 6, 7) are gathered into one selector
+# each; per selector 4 PRMT look up both bytes in both table halves, 2 LOP3 pick the half, and 2 PRMT
+# interleave low and high bytes into the pairs (J, J + 4): 26 instructions per 8 weights.
+_NF4_QUAD_ASM = """
+and.b32 s, t, 0x7777;
+shr.b32 b, t, 3;
+and.b32 b, b, 0x1111;
+mul.lo.u32 b, b, 12;
+prmt.b32 m, 0, k80, b;
+prmt.b32 la, $5, $6, s;
+prmt.b32 lb, $7, $8, s;
+prmt.b32 ha, $9, $10, s;
+prmt.b32 hb, $11, $12, s;
+lop3.b32 lo, la, lb, m, 0xD8;
+lop3.b32 hi, ha, hb, m, 0xD8;
+prmt.b32 PA, lo, hi, 0x6240;
+prmt.b32 PB, lo, hi, 0x7351;
+"""
+_NF4_PAIRS_ASM = tl.constexpr(
+    "{\n.reg .b32 t, s, b, m, la, lb, ha, hb, lo, hi, k80;\nmov.b32 k80, 0x80808080;\n"
+    + "prmt.b32 t, $4, 0, 0x4420;\n" + _NF4_QUAD_ASM.replace("PA", "$0").replace("PB", "$1")
+    + "prmt.b32 t, $4, 0, 0x4431;\n" + _NF4_QUAD_ASM.replace("PA", "$2").replace("PB", "$3")
+    + "}")
+
+
+@triton.jit
+def _nf4_cb16_bits(cb_ptr, code):
+    """codebook[code] / 16 as fp16 bits in the low half of an int32 (the emulation of `_NF4_PAIRS_ASM`)."""
+    return (tl.load(cb_ptr + code) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _nf4_pairs(w, tables, cb_ptr, EMULATE: tl.constexpr):
+    """The 4 int32 fp16 pairs (planes J, J + 4) of a word tile (see `_NF4_PAIRS_ASM`); EMULATE computes the
+    same bits by gathers (the interpreter has no PTX)."""
+    if EMULATE:
+        q0 = _nf4_cb16_bits(cb_ptr, w & 0xF) | (_nf4_cb16_bits(cb_ptr, (w >> 16) & 0xF) << 16)
+        q1 = _nf4_cb16_bits(cb_ptr, (w >> 4) & 0xF) | (_nf4_cb16_bits(cb_ptr, (w >> 20) & 0xF) << 16)
+        q2 = _nf4_cb16_bits(cb_ptr, (w >> 8) & 0xF) | (_nf4_cb16_bits(cb_ptr, (w >> 24) & 0xF) << 16)
+        q3 = _nf4_cb16_bits(cb_ptr, (w >> 12) & 0xF) | (_nf4_cb16_bits(cb_ptr, (w >> 28) & 0xF) << 16)
+        return q0, q1, q2, q3
+    else:
+        l0, l1, l2, l3, h0, h1, h2, h3 = tables
+        return tl.inline_asm_elementwise(
+            _NF4_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+            [w, tl.broadcast_to(l0, w.shape), tl.broadcast_to(l1, w.shape), tl.broadcast_to(l2, w.shape),
+             tl.broadcast_to(l3, w.shape), tl.broadcast_to(h0, w.shape), tl.broadcast_to(h1, w.shape),
+             tl.broadcast_to(h2, w.shape), tl.broadcast_to(h3, w.shape)],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
