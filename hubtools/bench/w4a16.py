@@ -215,13 +215,13 @@ def goals(results: dict) -> list[dict]:
         nf4 = [c["ours"]["seconds"] / c["ours-nf4"]["seconds"] for name, c in by_case.items()
                if name.endswith(f" M={m} fp16") and "ours-nf4" in c and "ours" in c]
         if nf4:
-            goal(f"NF4 M={m}: geomean int4 time / NF4 time", f"M={m} fp16, {len(nf4)} shapes", geomean(nf4),
+            goal("NF4: geomean int4 time / NF4 time", f"M={m} fp16, {len(nf4)} shapes", geomean(nf4),
                  GOAL_NF4_VS_INT4)
         bf16 = [by_case[name.replace(" bf16", " fp16")]["ours"]["seconds"] / c["ours"]["seconds"]
                 for name, c in by_case.items() if name.endswith(f" M={m} bf16") and "ours" in c
                 and "ours" in by_case.get(name.replace(" bf16", " fp16"), {})]
         if bf16:
-            goal(f"bf16 M={m}: geomean fp16 time / bf16 time", f"M={m}, {len(bf16)} shapes", geomean(bf16),
+            goal("bf16: geomean fp16 time / bf16 time", f"M={m}, {len(bf16)} shapes", geomean(bf16),
                  GOAL_NF4_VS_INT4)
     for name, c in by_case.items():
         if name.startswith("L3-70B") and name.endswith(" M=1 fp16"):
@@ -722,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--code", type=Path, help="write the winning M=1 / M=16 kernels' TTGIR, PTX, cubin here")
     parser.add_argument("--decode-run", action="store_true",
                         help="instead of the sweep: the benchmark (`run`) at M=1 only, Llama-3 and Qwen2.5-1.5B "
-                             "shapes, written as a results file (e.g. docs/benchmarks/w4a16-m1-results.json)")
+                             "shapes, written as a results file (e.g. docs/design/w4a16/run6-w4a16-m1-results.json)")
     parser.add_argument("--compare-decode", action="store_true",
                         help="instead of the sweep: shipped config vs decode-path candidates vs cuBLAS at --tokens "
                              "(compare_decode; Llama-3, Qwen2.5-1.5B and untuned shapes, or --shapes)")
