@@ -188,6 +188,21 @@ def test_half2_gemv_applies_where_supported(k):
     assert k.tuning.heuristic(1, 4096, 4096, 132)["half2"]
 
 
+def test_nf4_takes_its_own_tensor_core_tiles(k):
+    """NF4 weights keep the int4 GEMV, dequantize and M <= 16 configs; above they run 8-warp tiles, 256 x 128
+    where the group scales go on the operands (E3)."""
+    for m in (1, 16, 64, 256, 1024):
+        int4 = k.tuning.heuristic(m, 28672, 4096, 132)
+        nf4 = k.tuning.nf4_tiles(int4, m, 28672, 132, 64)
+        assert (nf4 == int4) == (m <= 16 or int4["kernel"] != "dot" or (m <= 64 and int4["block_n"] < 128))
+    int4 = k.tuning.heuristic(256, 6144, 4096, 132)
+    wide = k.tuning.nf4_tiles(int4, 256, 6144, 132, 64)
+    assert (wide["block_m"], wide["block_n"], wide["num_warps"], wide["split_k"]) == (256, 128, 8, 2)
+    assert k.tuning.nf4_tiles(int4, 256, 6144, 132, -1)["block_m"] == 256
+    assert k.tuning.nf4_tiles(int4, 256, 6144, 132, 128)["block_m"] == int4["block_m"]  # one scale per tile
+    assert k.tuning.select(64, 28672, 4096, torch.device("cpu"), nf4_group=64)["num_warps"] == 8
+
+
 def test_resolve_makes_every_choice_once(k):
     """A config becomes the plan the launchers run: the packed GEMV's own tiles where it applies, the portable
     GEMV elsewhere; packed dot operands only for int4 with tile-sized groups."""

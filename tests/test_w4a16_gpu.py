@@ -20,6 +20,8 @@ FORMATS = [  # (fmt, zero_point, group_size)
     ("int4", True, 64),
     ("int4", False, -1),
     ("nf4", False, 64),
+    ("nf4", False, 128),
+    ("nf4", False, -1),
 ]
 
 
@@ -66,7 +68,7 @@ def test_int4_g128_full_size(k, m, dtype):
 
 
 @pytest.mark.parametrize("fmt,zero_point,group_size", FORMATS)
-@pytest.mark.parametrize("m", [1, 16, 300])
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
 def test_formats_non_power_of_two(k, fmt, zero_point, group_size, m):
     n, kk = 1000, 3200  # neither a power of two; K a multiple of every group size
     qw = k.quantize(_weight(n, kk, torch.float16, seed=1), group_size=group_size, zero_point=zero_point, fmt=fmt)

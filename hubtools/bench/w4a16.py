@@ -2,7 +2,8 @@
 
 `run(kernel)`: the Llama-3-8B / 70B linear shapes x M in TOKENS, int4 group 128 fp16 against cuBLAS fp16
 ``F.linear`` (weights dequantized from the same codes); bf16 on BF16_SHAPES at every M against cuBLAS bf16
-and PyTorch's int4 GEMM (``aten._weight_int4pack_mm``, tinygemm, same codes and scales); NF4 at every M.
+and PyTorch's int4 GEMM (``aten._weight_int4pack_mm``, tinygemm, same codes and scales); NF4 (groups of 64) at
+every M.
 Every timed output is first checked against an fp32 matmul with the dequantized weight. Weights and
 activations rotate through copies far larger than L2. Bytes are what each op must move once (ours: the
 packed codes + scales as stored, activations, output); ``ideal_bytes`` is the all-int4 floor (N*K/2 +
@@ -38,6 +39,7 @@ SHAPES = (  # (label, K, N)
 TOKENS = (1, 4, 16, 64, 256, 1024)  # 4096 left out to keep the run short; 1024 carries the large-M goal
 BF16_SHAPES = ("L3-8B gate_up", "L3-70B o")
 GROUP = 128
+NF4_GROUP = 64  # bitsandbytes' block size (until 2026-12-01 13:36 the NF4 rows used 128)
 INT4PACK_INNER_K_TILES = 8
 # The issue's goals: speed-up of ours over cuBLAS fp16 (geometric mean over SHAPES) per M.
 # Issue #12's goals: speed-up over cuBLAS fp16 per M, NF4 against fp16 int4 on the same shapes, 70B streaming.
@@ -138,7 +140,7 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
         if label in bf16_shapes:
             rows += _bf16_rows(kernel, shape, label, notes)
         del shape
-        nf4 = _Shape(kernel, k, n, fmt="nf4")
+        nf4 = _Shape(kernel, k, n, fmt="nf4", group=NF4_GROUP)
         for m in tokens:
             xs = _inputs(m, k, torch.float16, nf4.copies)
             t, err = _time_verified(lambda i: kernel.matmul(xs[i], nf4.qws[i]), nf4.copies, xs, nf4.reference,
@@ -644,7 +646,7 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
                 return dict(row, us=t * 1e6, TBps=nbytes / t / 1e12, pct_copy=100 * nbytes / t / result["copy_bandwidth"],
                             rel_err=err, code=resources.get(key))
 
-            shipped = evaluate("shipped", dict(tuning.select(m, n, k, device)))
+            shipped = evaluate("shipped", dict(tuning.select(m, n, k, device, nf4_group=group if fmt == "nf4" else None)))
             trials = [evaluate("candidate", c) for c in candidates(m, rows_padded, tiles, sm_count, fmt)]
             t_cublas, cublas_err = _time_verified(lambda i: F.linear(xs[i], dense16[i % len(dense16)]), len(dense16),
                                                   xs, lambda _: ref, torch.float16, plan)

@@ -66,7 +66,7 @@ def matmul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n)
     if _use_triton(x):
-        config = tuning.select(rows.shape[0], n, k, x.device)
+        config = tuning.select(rows.shape[0], n, k, x.device, nf4_group=None if codebook is None else group_size)
         out = triton_kernels.matmul(rows, qweight, scales, zeros, codebook, bias, n, k, group_size, config)
     else:
         out = reference.matmul(rows, qweight, scales, zeros, codebook, bias, n, k, group_size)

@@ -105,14 +105,29 @@ def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = N
             "full_tile": True, "packed": True, "num_warps": 4, "num_stages": 3, "x_desc": m > 16, "w_desc": m > 16}
 
 
-def select(m: int, n: int, k: int, device: torch.device) -> dict:
-    """The tuned config for (N, K) and M's bucket on this GPU, else the heuristic."""
+def select(m: int, n: int, k: int, device: torch.device, nf4_group: int | None = None) -> dict:
+    """The tuned config for (N, K) and M's bucket on this GPU, else the heuristic; for NF4 weights (`nf4_group`:
+    their group size) with their own tensor-core tiles (`nf4_tiles`)."""
     name, sm_count = _device_info(device)
     tuned = table(name)
     entry = tuned.get("shapes", {}).get(f"{n}x{k}")
-    if entry:
-        return _bucket(entry, m)
-    return heuristic(m, n, k, sm_count, tuned.get("heuristic"))
+    config = _bucket(entry, m) if entry else heuristic(m, n, k, sm_count, tuned.get("heuristic"))
+    return config if nf4_group is None else nf4_tiles(config, m, n, sm_count, nf4_group)
+
+
+def nf4_tiles(config: dict, m: int, n: int, sm_count: int, group_size: int) -> dict:
+    """An int4 tensor-core config made NF4's. The NF4 operands cross shared memory after their byte-permute
+    lookup (`triton_kernels.nf4`), and on the H200 (2026-12-01, docs/design/w4a16.md E3, 4 shapes, groups of 64)
+    8-warp tiles beat the int4 ones: 128 weight rows on 8 warps up to M = 64 (8-18 % faster), 256 tokens x 128
+    rows above (20-55 %), split-K 2 where that leaves less than one wave. The large tile only where the group
+    scales go on the operands: with a scale per whole tile (groups of 128 and more) it needs a second 256 x 128
+    accumulator, spills and overflows shared memory."""
+    if config["kernel"] != "dot" or m <= 16:
+        return config
+    if m <= 64 or (group_size != -1 and group_size % 128 == 0):
+        return {**config, "num_warps": 8} if config["block_n"] >= 128 else config
+    programs = -(-m // 256) * (round_up(n, PAD_N) // 128)
+    return {**config, "block_m": 256, "block_n": 128, "num_warps": 8, "split_k": 2 if programs < sm_count else 1}
 
 
 def interpreting() -> bool:
