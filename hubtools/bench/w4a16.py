@@ -604,7 +604,8 @@ def _nf4_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[dict]:
 
 
 def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1,), candidates=_decode_candidates,
-                   out_path=None, log: Callable[[str], None] = print, fmt: str = "int4", group: int = GROUP) -> dict:
+                   out_path=None, log: Callable[[str], None] = print, fmt: str = "int4", group: int = GROUP,
+                   variants: list[dict] | None = None) -> dict:
     """`fmt` (int4 with zero points, or NF4) with groups of `group` and fp16 activations at each M in `tokens`:
     the shipped config (`tuning.select`), every candidate launch and
     cuBLAS fp16 in one process, each verified against the float64-exact fp32 reference and graph-timed
@@ -646,8 +647,13 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
                 return dict(row, us=t * 1e6, TBps=nbytes / t / 1e12, pct_copy=100 * nbytes / t / result["copy_bandwidth"],
                             rel_err=err, code=resources.get(key))
 
-            shipped = evaluate("shipped", dict(tuning.select(m, n, k, device, nf4_group=group if fmt == "nf4" else None)))
-            trials = [evaluate("candidate", c) for c in candidates(m, rows_padded, tiles, sm_count, fmt)]
+            shipped_config = dict(tuning.select(m, n, k, device, nf4_group=group if fmt == "nf4" else None))
+            shipped = evaluate("shipped", shipped_config)
+            if variants is None:
+                launches = candidates(m, rows_padded, tiles, sm_count, fmt)
+            else:  # the shipped config with each override, nothing else
+                launches = [{**shipped_config, **v} for v in variants]
+            trials = [evaluate("candidate", c) for c in launches]
             t_cublas, cublas_err = _time_verified(lambda i: F.linear(xs[i], dense16[i % len(dense16)]), len(dense16),
                                                   xs, lambda _: ref, torch.float16, plan)
             cublas = {"shape": label, "N": n, "K": k, "m": m, "impl": "cublas-fp16", "us": t_cublas * 1e6,
@@ -730,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(compare_decode; Llama-3, Qwen2.5-1.5B and untuned shapes, or --shapes)")
     parser.add_argument("--fmt", choices=("int4", "nf4"), default="int4", help="--compare-decode's weight format")
     parser.add_argument("--group", type=int, default=GROUP, help="--compare-decode's group size")
+    parser.add_argument("--variants", help="--compare-decode times, instead of its candidates, the shipped config "
+                        "with each of these overrides (a JSON list of dicts)")
     parser.add_argument("--compare-gemv", action="store_true",
                         help="instead of the sweep: M=1 fp32 GEMV vs packed-fp16 GEMV candidates vs cuBLAS "
                              "(compare_gemv)")
@@ -749,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             module = kernels.get_local_kernel(build_kernel(project, Path(tmp)) / "build")
             compared = compare_decode(module, shapes=chosen, tokens=tuple(args.tokens), out_path=args.out,
-                                      fmt=args.fmt, group=args.group)
+                                      fmt=args.fmt, group=args.group,
+                                      variants=None if args.variants is None else json.loads(args.variants))
         print(f"wrote {args.out}")
         if args.table:
             table = json.loads(args.table.read_text())

@@ -37,7 +37,7 @@ def _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, J: 
     (times its group's scale unless the scale is applied to the accumulator), or the NF4 value."""
     code = (w >> (4 * J)) & 0xF
     if not PER_CHANNEL:
-        param_offs = ((tile * 128 + J * 16) // group_size).to(tl.int64) * stride_sg + rows
+        param_offs = tl.cast((tile * 128 + J * 16) // group_size, tl.int64) * stride_sg + rows
     if NF4:
         v = tl.load(cb_ptr + code)
     else:
