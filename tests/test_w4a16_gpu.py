@@ -40,6 +40,17 @@ def _reference(k, x, qw, bias=None):
     return out if bias is None else out + bias.double()
 
 
+def _check_launch(k, x, qw, bias, config):
+    """One explicit launch on a NaN-poisoned output: every element written, within the dtype's tolerance of the
+    float64 reference."""
+    n, kk = qw.shape
+    out = torch.full((x.shape[0], n), float("nan"), device="cuda", dtype=x.dtype)
+    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, qw.group_size, config,
+                            out=out)
+    assert not out.isnan().any()
+    assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[x.dtype]
+
+
 def _weight(n, kk, dtype, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randn(n, kk, device="cuda", dtype=dtype, generator=gen) * 0.05
@@ -102,10 +113,7 @@ def test_explicit_configs_write_every_output(k, config, zero_point):
     qw = k.quantize(_weight(n, kk, torch.bfloat16, seed=2), group_size=-1, zero_point=zero_point)
     x = torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, -1, config, out=out)
-    assert not out.isnan().any()
-    assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[torch.bfloat16]
+    _check_launch(k, x, qw, bias, config)
 
 
 HALF2_FORMATS = [(False, 128), (True, 128), (False, -1), (True, -1), (True, 256)]  # (zero_point, group_size)
@@ -131,10 +139,7 @@ def test_half2_gemv_vs_float64(k, zero_point, group_size, tiles, dtype, x_scale)
     assert k.tuning.half2_supported(x, None, group_size)
     bias = torch.randn(n, device="cuda", dtype=dtype) * x_scale
     config = {"kernel": "gemv", "tiles": 8, "num_warps": 4, "half2": True, **tiles}
-    out = torch.full((2, n), float("nan"), device="cuda", dtype=dtype)
-    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, group_size, config, out=out)
-    assert not out.isnan().any()
-    assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[dtype]
+    _check_launch(k, x, qw, bias, config)
 
 
 PACKED_FORMATS = [(False, 128), (True, 128), (False, -1), (True, -1), (True, 256)]  # (zero_point, group_size)
@@ -160,10 +165,7 @@ def test_packed_dot_vs_float64(k, zero_point, group_size, dtype, block_m, block_
               "num_warps": num_warps, "num_stages": 3, "packed": True, "scale_weights": scale_weights,
               "x_desc": descs, "w_desc": descs}
     assert k.tuning.resolve(config, x, None, group_size)["x_desc"] == descs
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, group_size, config, out=out)
-    assert not out.isnan().any()
-    assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[dtype]
+    _check_launch(k, x, qw, bias, config)
 
 
 @pytest.mark.parametrize("group_size", [64, 128, -1])
@@ -180,10 +182,7 @@ def test_nf4_dot_vs_float64(k, group_size, dtype, swap_ab, descs, nf4_tables):
     config = {"kernel": "dot", "block_m": 64, "block_n": 64, "split_k": 2, "swap_ab": swap_ab, "num_warps": 4,
               "num_stages": 3, "full_tile": True, "x_desc": descs, "w_desc": descs, "nf4_tables": nf4_tables}
     assert k.tuning.resolve(config, x, qw.codebook, group_size)["nf4_tables"] == nf4_tables
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, group_size, config, out=out)
-    assert not out.isnan().any()
-    assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[dtype]
+    _check_launch(k, x, qw, bias, config)
 
 
 @pytest.mark.parametrize("group_size", [64, 128, -1])
@@ -199,10 +198,7 @@ def test_half2_gemv_nf4_vs_float64(k, group_size, dtype, pipeline):
     x = torch.randn(2, kk, device="cuda", dtype=dtype)
     assert k.tuning.half2_supported(x, qw.codebook, group_size)
     config = {"kernel": "gemv", "block_n": 8, "tiles": 8, "split_k": 3, "num_warps": 4, "half2": True, **pipeline}
-    out = torch.full((2, n), float("nan"), device="cuda", dtype=dtype)
-    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, None, n, kk, group_size, config, out=out)
-    assert not out.isnan().any()
-    assert _rel_err(out, _reference(k, x, qw)) < TOL[dtype]
+    _check_launch(k, x, qw, None, config)
 
 
 def test_act_order_gptq_full_size(k):

@@ -9,40 +9,40 @@ from .nf4 import _nf4_pairs, _nf4_tables
 
 # Tensor-core operands from integer ops: a nibble shifted into the top 4 mantissa bits of 1.0 (fp16 0x3C00:
 # bits 6-9; bf16 0x3F80: bits 3-6) reads as exactly 1 + code / 16. Nibbles j and j + 4 of a word sit at bits
-# 4j and 16 + 4j, the two halves of a 32-bit pair, so one shift and one LOP3 ((w >> s) & mask | ones) make
+# 4j and 16 + 4j, the two halves of a 32-bit pair, so one shift and a mask-and-OR ((w >> s) & mask | ones) make
 # two operands, with no int -> float conversion; one packed subtraction of 1 + zero / 16 then gives
 # (code - zero) / 16 exactly (at most 5 significant bits), and the factor 16 goes on the fp32 accumulator.
 @triton.jit
-def _unit_pair(w, ones, SHIFT: tl.constexpr, BF16: tl.constexpr):
+def _unit_pair(w, SHIFT: tl.constexpr, BF16: tl.constexpr):
     """Planes j and j + 4 of each word as 1 + code / 16 (SHIFT = 4 j - the mantissa position of the nibble).
-    `ones` (the bits of 1.0 in both halves) arrives as a kernel argument: as a register, ptxas fuses the mask and
-    the OR into one LOP3 (two immediates take two)."""
+    ptxas spends two LOP3 on mask and OR (two immediates); with the bits of 1.0 in a register it fuses them, but
+    Triton then sends the operand through shared memory, 1.4-2.6x slower on the H200 (docs/design/w4a16.md E4)."""
     if SHIFT >= 0:
         t = w >> SHIFT
     else:
         t = w << -SHIFT
     if BF16:
-        t = (t & 0x00780078) | ones
+        t = (t & 0x00780078) | 0x3F803F80
         dtype = tl.bfloat16
     else:
-        t = (t & 0x03C003C0) | ones
+        t = (t & 0x03C003C0) | 0x3C003C00
         dtype = tl.float16
     return t.to(tl.int16).to(dtype, bitcast=True), (t >> 16).to(tl.int16).to(dtype, bitcast=True)
 
 
 @triton.jit
-def _unit_planes(w, ones, BF16: tl.constexpr):
+def _unit_planes(w, BF16: tl.constexpr):
     """The 8 nibble planes of a word tile as 1 + code / 16 in fp16 (bf16 when BF16)."""
     if BF16:
-        p0, p4 = _unit_pair(w, ones, -3, True)
-        p1, p5 = _unit_pair(w, ones, 1, True)
-        p2, p6 = _unit_pair(w, ones, 5, True)
-        p3, p7 = _unit_pair(w, ones, 9, True)
+        p0, p4 = _unit_pair(w, -3, True)
+        p1, p5 = _unit_pair(w, 1, True)
+        p2, p6 = _unit_pair(w, 5, True)
+        p3, p7 = _unit_pair(w, 9, True)
     else:
-        p0, p4 = _unit_pair(w, ones, -6, False)
-        p1, p5 = _unit_pair(w, ones, -2, False)
-        p2, p6 = _unit_pair(w, ones, 2, False)
-        p3, p7 = _unit_pair(w, ones, 6, False)
+        p0, p4 = _unit_pair(w, -6, False)
+        p1, p5 = _unit_pair(w, -2, False)
+        p2, p6 = _unit_pair(w, 2, False)
+        p3, p7 = _unit_pair(w, 6, False)
     return p0, p1, p2, p3, p4, p5, p6, p7
 
 
@@ -77,14 +77,13 @@ def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, group_size, strid
 @triton.jit
 def _dot_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
-    M, N, K, num_tiles, tiles_per_split, unit_bits, group_size: tl.constexpr,
+    M, N, K, num_tiles, tiles_per_split, group_size: tl.constexpr,
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
     NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SUBG: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_K: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
     FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
     X_DESC: tl.constexpr, W_DESC: tl.constexpr, NF4_TABLES: tl.constexpr, EMULATE: tl.constexpr,
-    ONES_REG: tl.constexpr,
 ):
     """Tensor-core path. Per K-tile either 8 dots of K=16 (one per nibble plane: a contiguous K run) or,
     with FULL_TILE, the 8 planes interleaved back into natural K order and one dot of K=128.
@@ -142,12 +141,6 @@ def _dot_kernel(
         dot_dtype = x_ptr.dtype
     else:
         dot_dtype = x_ptr.dtype.element_ty
-    if ONES_REG:  # experiment E4c: the bits of 1.0 from a register
-        ones = unit_bits
-    elif dot_dtype == tl.bfloat16:
-        ones = 0x3F803F80
-    else:
-        ones = 0x3C003C00
     for tile in tl.range(first, last, num_stages=STAGES):
         if W_DESC:
             w = qw_ptr.load([pid_n * BLOCK_N, tile * _WORDS])
@@ -171,7 +164,7 @@ def _dot_kernel(
             if HAS_ZERO and not PER_CHANNEL:
                 tile_zero = tl.load(z_ptr + group_offs)[:, None]
             unit_zero = (1.0 + tile_zero.to(tl.float32) * 0.0625).to(dot_dtype)  # exact: 1 + z / 16
-            u0, u1, u2, u3, u4, u5, u6, u7 = _unit_planes(w, ones, dot_dtype == tl.bfloat16)
+            u0, u1, u2, u3, u4, u5, u6, u7 = _unit_planes(w, dot_dtype == tl.bfloat16)
             wt = _natural_order(u0 - unit_zero, u1 - unit_zero, u2 - unit_zero, u3 - unit_zero,
                                 u4 - unit_zero, u5 - unit_zero, u6 - unit_zero, u7 - unit_zero)
             if SCALE_WEIGHTS:  # the group's scale times 16 on the operand, rounded once like a dequantized weight

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from .common import _MAGIC, _MAGIC_BITS, _WORDS, _i32, _word_tiles
-from .nf4 import _nf4_tables
+from .nf4 import _nf4_tables, nf4_lookup_asm
 
 
 @triton.jit
@@ -220,26 +220,9 @@ def _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
 # into a byte mask (selector 0xC replicates the sign of a 0x80 byte), 2 LOP3 pick the half, 2 PRMT interleave
 # low and high bytes into the fp16 pairs of nibbles (0, 1) and (2, 3). Nibbles 0-3 and 4-7 of a word are the
 # tile's columns 0-63 and 64-127, so each half is summed apart (scale groups of 64 work).
-_NF4_HALF_ASM = """
-and.b32 s, W, 0x7777;
-shr.b32 b, W, 3;
-and.b32 b, b, 0x1111;
-mul.lo.u32 b, b, 12;
-prmt.b32 m, 0, k80, b;
-prmt.b32 la, $3, $4, s;
-prmt.b32 lb, $5, $6, s;
-prmt.b32 ha, $7, $8, s;
-prmt.b32 hb, $9, $10, s;
-lop3.b32 lo, la, lb, m, 0xD8;
-lop3.b32 hi, ha, hb, m, 0xD8;
-prmt.b32 p, lo, hi, 0x5140;
-prmt.b32 q, lo, hi, 0x7362;
-mul.rn.f16x2 t, p, XA;
-fma.rn.f16x2 t, q, XB, t;
-mov.b32 {l16, h16}, t;
-add.rn.f16 l16, l16, h16;
-cvt.f32.f16 OUT, l16;
-"""
+_NF4_HALF_ASM = (nf4_lookup_asm("W", 3) + "prmt.b32 p, lo, hi, 0x5140;\nprmt.b32 q, lo, hi, 0x7362;\n"
+                 "mul.rn.f16x2 t, p, XA;\nfma.rn.f16x2 t, q, XB, t;\nmov.b32 {l16, h16}, t;\n"
+                 "add.rn.f16 l16, l16, h16;\ncvt.f32.f16 OUT, l16;\n")
 _NF4_ASM = tl.constexpr(
     "{\n.reg .b32 s, b, m, la, lb, ha, hb, lo, hi, p, q, t, k80, w2;\n.reg .b16 l16, h16;\n"
     "mov.b32 k80, 0x80808080;\n"

@@ -121,8 +121,7 @@ def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size
         _or(codebook, scales), _or(bias, scales), target,
         # a compile-time group size: the group of a tile is then a shift, not a division per K-tile (per channel
         # it is never read)
-        m, n, k, num_tiles, per_split, 0x3F803F80 if x.dtype == torch.bfloat16 else 0x3C003C00,
-        128 if group_size == -1 else group_size,
+        m, n, k, num_tiles, per_split, 128 if group_size == -1 else group_size,
         x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
         **flags, HAS_BIAS=bias is not None, PARTIAL=splits > 1, MASK_K=k % 128 != 0,
         SCALE_ON_ACC=flags["SUBG"] == 128 and not flags["PER_CHANNEL"] and not scale_weights,
@@ -132,7 +131,7 @@ def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size
         UPCAST=interpreting() and x.dtype == torch.bfloat16,
         PACKED=packed, SCALE_WEIGHTS=scale_weights,
         X_DESC=bool(plan.get("x_desc", False)), W_DESC=bool(plan.get("w_desc", False)),
-        NF4_TABLES=bool(plan.get("nf4_tables", False)), EMULATE=interpreting(), ONES_REG=bool(plan.get("ones_reg", False)),
+        NF4_TABLES=bool(plan.get("nf4_tables", False)), EMULATE=interpreting(),
         num_warps=plan.get("num_warps", 4),
     )
     if splits > 1:

@@ -36,30 +36,28 @@ def _nf4_tables(cb_ptr):
             _nf4_quad(cb_ptr, 2, True), _nf4_quad(cb_ptr, 3, True))
 
 
+def nf4_lookup_asm(selector: str, table: int) -> str:
+    """PTX that looks up the 4 nibbles in the low 16 bits of register `selector` in the tables at operands
+    $table .. $table + 7 (`_nf4_tables`' order): the low bytes of the 4 codebook values / 16 in `lo`, their
+    high bytes in `hi`. Needs .b32 registers s, b, m, la, lb, ha, hb, lo, hi and k80 = 0x80808080."""
+    la, lb, ha, hb = (f"${table + 2 * i}, ${table + 2 * i + 1}" for i in range(4))
+    return (f"and.b32 s, {selector}, 0x7777;\nshr.b32 b, {selector}, 3;\nand.b32 b, b, 0x1111;\n"
+            "mul.lo.u32 b, b, 12;\nprmt.b32 m, 0, k80, b;\n"
+            f"prmt.b32 la, {la}, s;\nprmt.b32 lb, {lb}, s;\nprmt.b32 ha, {ha}, s;\nprmt.b32 hb, {hb}, s;\n"
+            "lop3.b32 lo, la, lb, m, 0xD8;\nlop3.b32 hi, ha, hb, m, 0xD8;\n")
+
+
 # The tensor-core kernel's NF4 operands: for each 32-bit word, 4 fp16 pairs (codebook[nibble J] / 16 in the low
 # half, codebook[nibble J + 4] / 16 in the high half), the layout `dot._unit_pair` gives int4. Bytes 0 and 2 of
 # the word (nibbles 0, 1, 4, 5) and then bytes 1 and 3 (nibbles 2, 3, 6, 7) are gathered into one selector
-# each; per selector 4 PRMT look up both bytes in both table halves, 2 LOP3 pick the half, and 2 PRMT
-# interleave low and high bytes into the pairs (J, J + 4): 26 instructions per 8 weights.
-_NF4_QUAD_ASM = """
-and.b32 s, t, 0x7777;
-shr.b32 b, t, 3;
-and.b32 b, b, 0x1111;
-mul.lo.u32 b, b, 12;
-prmt.b32 m, 0, k80, b;
-prmt.b32 la, $5, $6, s;
-prmt.b32 lb, $7, $8, s;
-prmt.b32 ha, $9, $10, s;
-prmt.b32 hb, $11, $12, s;
-lop3.b32 lo, la, lb, m, 0xD8;
-lop3.b32 hi, ha, hb, m, 0xD8;
-prmt.b32 PA, lo, hi, 0x6240;
-prmt.b32 PB, lo, hi, 0x7351;
-"""
+# each, looked up (`nf4_lookup_asm`), and 2 PRMT interleave low and high bytes into the pairs (J, J + 4): 26
+# instructions per 8 weights. Operands: $0-$3 the pairs, $4 the word, $5-$12 the tables.
 _NF4_PAIRS_ASM = tl.constexpr(
     "{\n.reg .b32 t, s, b, m, la, lb, ha, hb, lo, hi, k80;\nmov.b32 k80, 0x80808080;\n"
-    + "prmt.b32 t, $4, 0, 0x4420;\n" + _NF4_QUAD_ASM.replace("PA", "$0").replace("PB", "$1")
-    + "prmt.b32 t, $4, 0, 0x4431;\n" + _NF4_QUAD_ASM.replace("PA", "$2").replace("PB", "$3")
+    + "prmt.b32 t, $4, 0, 0x4420;\n" + nf4_lookup_asm("t", 5)
+    + "prmt.b32 $0, lo, hi, 0x6240;\nprmt.b32 $1, lo, hi, 0x7351;\n"
+    + "prmt.b32 t, $4, 0, 0x4431;\n" + nf4_lookup_asm("t", 5)
+    + "prmt.b32 $2, lo, hi, 0x6240;\nprmt.b32 $3, lo, hi, 0x7351;\n"
     + "}")
 
 
