@@ -3,7 +3,9 @@
 int4 (symmetric or with zero points) and NF4 weights in this kernel's own tiled layout (see `formats`),
 group sizes 32, 64, 128 (or any multiple of 128) and per-channel; importers for GPTQ (v1 / v2 zeros,
 act-order), AWQ and bitsandbytes NF4 checkpoints; a GEMV path for decode, a tensor-core path with the
-dequantization in the K loop, and dequantize-then-cuBLAS for large M, chosen by M.
+dequantization in the K loop, and dequantize-then-cuBLAS for large M, chosen by M. Quantization by
+round-to-nearest (`quantize`, `quantize_model`) or calibrated (GPTQ: `gptq_quantize`,
+``quantize_model(..., calibration=...)``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from . import layers, ops
 from .checkpoints import from_pretrained, load_checkpoint
 from .formats import NF4_CODEBOOK, QuantizedWeight, load_quantized, quantize, save_quantized
+from .gptq import gptq_quantize
 from .importers import from_awq, from_bnb_nf4, from_compressed_tensors, from_gptq
 from .layers import W4A16Linear, quantize_model
 
@@ -28,6 +31,7 @@ __all__ = [
     "from_compressed_tensors",
     "from_gptq",
     "from_pretrained",
+    "gptq_quantize",
     "layers",
     "load_checkpoint",
     "load_quantized",

@@ -235,28 +235,46 @@ def quantize(weight: torch.Tensor, *, group_size: int = 128, zero_point: bool = 
     if not torch.isfinite(weight).all():
         raise ValueError("weight holds inf or NaN values, which have no 4-bit code")
     w = _group_view(weight.detach().float(), group_size)  # [N, G, g]
-    zeros = None
-    codebook = None
+    scales, zeros = group_params(w, fmt=fmt, zero_point=zero_point, dtype=weight.dtype)
+    codes = encode(w, scales.unsqueeze(2), None if zeros is None else zeros.unsqueeze(2), fmt=fmt)
+    codebook = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=weight.device) if fmt == "nf4" else None
+    return from_codes(codes.reshape(n, k), scales.t(), None if zeros is None else zeros.t(), group_size=group_size,
+                      fmt=fmt, dtype=weight.dtype, codebook=codebook)
+
+
+def group_params(w: torch.Tensor, *, fmt: str, zero_point: bool, dtype: torch.dtype):
+    """Round-to-nearest parameters of the groups along `w`'s last dimension (fp32 values): the scales, stored in
+    `dtype`, and the zero points (float codes 0..15, int4 with zero points only, else None). See `quantize`."""
     if fmt == "nf4":
-        scales = w.abs().amax(dim=2).to(weight.dtype)
-        safe = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(2)
-        codebook = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=weight.device)
-        midpoints = (codebook[1:] + codebook[:-1]) / 2
-        codes = torch.bucketize((w / safe).clamp(-1, 1), midpoints)
-    elif zero_point:
-        lo = w.amin(dim=2).clamp(max=0)
-        hi = w.amax(dim=2).clamp(min=0)
-        scales = ((hi - lo) / 15).to(weight.dtype)
+        return w.abs().amax(dim=-1).to(dtype), None
+    if zero_point:
+        lo = w.amin(dim=-1).clamp(max=0)
+        hi = w.amax(dim=-1).clamp(min=0)
+        scales = ((hi - lo) / 15).to(dtype)
         safe = torch.where(scales == 0, 1.0, scales.float())
-        zero = torch.round(-lo / safe).clamp(0, 15)
-        codes = (torch.round(w / safe.unsqueeze(2)) + zero.unsqueeze(2)).clamp(0, 15)
-        zeros = zero.t()
-    else:
-        scales = (w.abs().amax(dim=2) / 7.5).to(weight.dtype)
-        safe = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(2)
-        codes = (torch.round(w / safe) + 8).clamp(0, 15)
-    return from_codes(codes.reshape(n, k), scales.t(), zeros, group_size=group_size, fmt=fmt,
-                      dtype=weight.dtype, codebook=codebook)
+        return scales, torch.round(-lo / safe).clamp(0, 15)
+    return (w.abs().amax(dim=-1) / 7.5).to(dtype), None
+
+
+def encode(w: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], *, fmt: str) -> torch.Tensor:
+    """The nearest 4-bit codes (as floats 0..15) of fp32 values `w` against stored `scales` (and `zeros`), which
+    broadcast against `w`."""
+    safe = torch.where(scales == 0, 1.0, scales.float())
+    if fmt == "nf4":
+        codebook = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=w.device)
+        return torch.bucketize((w / safe).clamp(-1, 1), (codebook[1:] + codebook[:-1]) / 2).float()
+    if zeros is not None:
+        return (torch.round(w / safe) + zeros).clamp(0, 15)
+    return (torch.round(w / safe) + 8).clamp(0, 15)
+
+
+def decode(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], *, fmt: str) -> torch.Tensor:
+    """The fp32 values of 4-bit `codes` (the dequantized weight): NF4 ``codebook[q] * scale``, int4
+    ``(q - zero) * scale`` (zero 8 when symmetric)."""
+    if fmt == "nf4":
+        codebook = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=codes.device)
+        return codebook[codes.long()] * scales.float()
+    return (codes - (8.0 if zeros is None else zeros)) * scales.float()
 
 
 def save_quantized(weights, path) -> None:

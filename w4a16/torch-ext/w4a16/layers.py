@@ -65,14 +65,23 @@ def _skipped(name: str, skip: Iterable[str]) -> bool:
 
 
 def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] = ("lm_head",), *,
-                   zero_point: bool = False, fmt: str = "int4") -> nn.Module:
+                   zero_point: bool = False, fmt: str = "int4", calibration: Optional[Iterable] = None,
+                   act_order: bool = False) -> nn.Module:
     """Replace every ``nn.Linear`` of `model` whose qualified name does not match `skip` (a name, or a
-    component of the dotted name) by a `W4A16Linear`, in place; returns `model`."""
+    component of the dotted name) by a `W4A16Linear`, in place; returns `model`. Round-to-nearest, or with
+    `calibration` (model inputs: token-id tensors or dicts of keyword arguments) GPTQ for the linears of the
+    decoder layers (`gptq.calibrate_model`, optionally `act_order`) and round-to-nearest for the others."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(skip, str):
         skip = (skip,)
     skip = tuple(skip)
+    if calibration is not None:
+        from .gptq import calibrate_model
+
+        calibrate_model(model, calibration, group_size, skip, zero_point=zero_point, fmt=fmt, act_order=act_order)
+    elif act_order:
+        raise ValueError("act_order=True needs calibration (GPTQ); round-to-nearest has no column order")
     targets = [(name, module) for name, module in model.named_modules()
                if name and isinstance(module, nn.Linear) and not _skipped(name, skip)]
     for name, module in targets:
