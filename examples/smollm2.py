@@ -58,14 +58,20 @@ PROMPT = "Explain in two sentences why the sky is blue."
 DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "e2e-smollm2-results.json"
 
 # name -> quantize_model arguments (None: the model as loaded). NF4 uses blocks of 64, as bitsandbytes does.
+# "gptq": calibrated (w4a16's GPTQ) on text the unquantized model writes itself (`calibration_batches`), so the
+# evaluation text is never seen; the others round to nearest.
 VARIANTS = {
     "unquantized": None,
     "int4-g128-zp": dict(fmt="int4", group_size=128, zero_point=True),
+    "int4-g128-zp-gptq": dict(fmt="int4", group_size=128, zero_point=True, gptq=True),
     "int4-g128": dict(fmt="int4", group_size=128, zero_point=False),
+    "int4-g128-gptq": dict(fmt="int4", group_size=128, zero_point=False, gptq=True),
     "int4-g32-zp": dict(fmt="int4", group_size=32, zero_point=True),
     "int4-perchannel-zp": dict(fmt="int4", group_size=-1, zero_point=True),
     "nf4-g64": dict(fmt="nf4", group_size=64, zero_point=False),
+    "nf4-g64-gptq": dict(fmt="nf4", group_size=64, zero_point=False, gptq=True),
 }
+CALIBRATION = dict(sequences=16, tokens=256, seed=0)  # sampled continuations of the model's BOS token
 
 
 def main() -> None:
@@ -87,10 +93,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as build_dir:
         rmsnorm_layer, w4a16, kernel_info = load_kernels(source, args.org, Path(build_dir))
 
+        calibration = None
+        if any(VARIANTS[name] and VARIANTS[name].get("gptq") for name in args.variants):
+            t = time.perf_counter()
+            calibration = calibration_batches(model, tokenizer, device, **CALIBRATION)
+            log(f"calibration text: {sum(b.numel() for b in calibration)} tokens sampled from the unquantized model "
+                f"in {time.perf_counter() - t:.1f} s")
         rows = []
         for name in args.variants:
             log(f"[{name}]")
-            rows.append(run_variant(name, VARIANTS[name], model, tokenizer, ids, rmsnorm_layer, w4a16, device, args))
+            rows.append(run_variant(name, VARIANTS[name], model, tokenizer, ids, rmsnorm_layer, w4a16, device, args,
+                                    calibration))
             cleanup(device)
 
     base = next((r["perplexity"] for r in rows if r["variant"] == "unquantized"), None)
@@ -106,6 +119,8 @@ def main() -> None:
                  "stride": args.stride, "method": "sliding windows; each token after the first scored once, "
                  "with at least window - stride tokens of context outside the first window"},
         "prompt": PROMPT,
+        "calibration": {**CALIBRATION, "method": "multinomial sampling (temperature 1) from the unquantized "
+                        "model, starting at its BOS token; used by the *-gptq variants only"},
         "memory": "cuda: torch.cuda.max_memory_allocated during generation and perplexity; "
                   "cpu: bytes of all parameters and buffers (tied weights once)",
         "wall_s": round(time.perf_counter() - started, 1),
@@ -187,7 +202,19 @@ def load_kernels(source: str, org: str, build_dir: Path):
 # --------------------------------------------------------------------------------------------- one variant
 
 
-def run_variant(name, spec, model, tokenizer, ids, rmsnorm_layer, w4a16, device, args) -> dict:
+@torch.inference_mode()
+def calibration_batches(model, tokenizer, device, sequences: int, tokens: int, seed: int) -> list[torch.Tensor]:
+    """GPTQ calibration text written by the model itself: `sequences` sampled continuations of its BOS token, in
+    batches of 4 (deterministic for `seed` on one machine)."""
+    torch.manual_seed(seed)
+    bos = torch.full((sequences, 1), tokenizer.bos_token_id, dtype=torch.long, device=device)
+    out = copy.deepcopy(model).to(device).generate(
+        bos, do_sample=True, temperature=1.0, top_p=None, top_k=None, max_new_tokens=tokens - 1,
+        min_new_tokens=tokens - 1, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return list(out.split(4))
+
+
+def run_variant(name, spec, model, tokenizer, ids, rmsnorm_layer, w4a16, device, args, calibration) -> dict:
     model = copy.deepcopy(model).to(device)  # each variant starts from the loaded model
 
     replaced, forward = kernelize_rmsnorm(model, rmsnorm_layer, device)
@@ -196,7 +223,8 @@ def run_variant(name, spec, model, tokenizer, ids, rmsnorm_layer, w4a16, device,
     group_sizes = {}
     if spec is not None:
         t = time.perf_counter()
-        group_sizes = quantize(model, w4a16, **spec)
+        group_sizes = quantize(model, w4a16, spec["fmt"], spec["group_size"], spec["zero_point"],
+                               calibration if spec.get("gptq") else None)
         log(f"  quantized {sum(group_sizes.values())} linear layers in {time.perf_counter() - t:.1f} s "
             f"(layers per group size: {group_sizes})")
 
@@ -217,6 +245,7 @@ def run_variant(name, spec, model, tokenizer, ids, rmsnorm_layer, w4a16, device,
         "format": args.dtype if spec is None else spec["fmt"],
         "group_size": None if spec is None else spec["group_size"],
         "zero_point": None if spec is None else spec["zero_point"],
+        "method": None if spec is None else "gptq" if spec.get("gptq") else "round-to-nearest",
         "layers_per_group_size": {str(g): n for g, n in group_sizes.items()},
         "perplexity": ppl,
         "ppl_ratio_vs_unquantized": None,
@@ -232,8 +261,9 @@ def run_variant(name, spec, model, tokenizer, ids, rmsnorm_layer, w4a16, device,
     }
 
 
-def quantize(model, w4a16, fmt: str, group_size: int, zero_point: bool) -> dict[int, int]:
-    """`w4a16.quantize_model` on every nn.Linear but lm_head; returns {group size: layers}.
+def quantize(model, w4a16, fmt: str, group_size: int, zero_point: bool, calibration=None) -> dict[int, int]:
+    """`w4a16.quantize_model` on every nn.Linear but lm_head (GPTQ on `calibration` when given); returns
+    {group size: layers}.
 
     The kernel needs in_features divisible by the group size. SmolLM2's hidden size is 576 = 4.5 x 128, so at
     group size 128 only down_proj (in_features 1536) qualifies; the others get the largest group size the
@@ -241,13 +271,15 @@ def quantize(model, w4a16, fmt: str, group_size: int, zero_point: bool) -> dict[
     """
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     misfits = [n for n, m in linears.items() if group_size > 0 and m.in_features % group_size]
-    w4a16.quantize_model(model, group_size, skip=("lm_head", *misfits), zero_point=zero_point, fmt=fmt)
+    w4a16.quantize_model(model, group_size, skip=("lm_head", *misfits), zero_point=zero_point, fmt=fmt,
+                         calibration=calibration)
     counts = {group_size: len(linears) - len(misfits)}
     for fallback in (64, 32):
         fits = [n for n in misfits if linears[n].in_features % fallback == 0]
         rest = [n for n in linears if n not in fits]
         if fits:
-            w4a16.quantize_model(model, fallback, skip=("lm_head", *rest), zero_point=zero_point, fmt=fmt)
+            w4a16.quantize_model(model, fallback, skip=("lm_head", *rest), zero_point=zero_point, fmt=fmt,
+                                 calibration=calibration)
             counts[fallback] = len(fits)
         misfits = [n for n in misfits if n not in fits]
     if misfits:
