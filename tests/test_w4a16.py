@@ -203,6 +203,19 @@ def test_nf4_takes_its_own_tensor_core_tiles(k):
     assert k.tuning.select(64, 28672, 4096, torch.device("cpu"), nf4_group=64)["num_warps"] == 8
 
 
+def test_untuned_shapes_are_logged_once(k, caplog):
+    """A GPU shape with no table entry runs the heuristic and says so, once per GPU and shape."""
+    k.tuning._note_heuristic.cache_clear()
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            k.tuning._note_heuristic("NVIDIA H200", 1536, 8960)
+        k.tuning._note_heuristic("Some Other GPU", 1536, 8960)
+    messages = [r.getMessage() for r in caplog.records if "no tuned launch config" in r.getMessage()]
+    assert len(messages) == 2
+    assert "1536 x 8960 on NVIDIA H200 (configs/nvidia-h200.json)" in messages[0]
+    assert "no configs/some-other-gpu.json" in messages[1]
+
+
 def test_resolve_makes_every_choice_once(k):
     """A config becomes the plan the launchers run: the packed GEMV's own tiles where it applies, the portable
     GEMV elsewhere; packed dot operands only for int4 with tile-sized groups."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import torch
 
 from .formats import PAD_N, TILE_K, round_up
 
+logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # When a table has no "heuristic" section: the M ranges of each path.
 DEFAULT_THRESHOLDS = {"gemv_max_m": 1, "dequant_min_m": 512}
@@ -111,8 +113,18 @@ def select(m: int, n: int, k: int, device: torch.device, nf4_group: int | None =
     name, sm_count = _device_info(device)
     tuned = table(name)
     entry = tuned.get("shapes", {}).get(f"{n}x{k}")
+    if entry is None and device.type != "cpu":
+        _note_heuristic(name, n, k)
     config = _bucket(entry, m) if entry else heuristic(m, n, k, sm_count, tuned.get("heuristic"))
     return config if nf4_group is None else nf4_tiles(config, m, n, sm_count, nf4_group)
+
+
+@functools.lru_cache(maxsize=None)
+def _note_heuristic(device_name: str, n: int, k: int) -> None:
+    """Say once per GPU and shape that no tuned table entry exists (the launch then comes from `heuristic`)."""
+    where = f"configs/{_slug(device_name)}.json" if table(device_name) else f"no configs/{_slug(device_name)}.json"
+    logger.warning("w4a16: no tuned launch config for N x K = %d x %d on %s (%s); using the heuristic",
+                   n, k, device_name, where)
 
 
 def nf4_tiles(config: dict, m: int, n: int, sm_count: int, group_size: int) -> dict:
