@@ -723,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m hubtools.bench.w4a16", description=main.__doc__)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shapes", nargs="*", default=[s[0] for s in SHAPES])
+    parser.add_argument("--shapes", nargs="*", default=None,
+                        help="shape labels (default: the Llama-3 shapes for the sweep; every shape for --compare-decode)")
     parser.add_argument("--tokens", nargs="*", type=int, default=[1, 16, 64, 256, 1024])
     parser.add_argument("--table", type=Path, help="also write the launch table the kernel ships here (with "
                         "--compare-decode: merge the winners that beat the shipped configs, see merge_compare)")
@@ -753,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.compare_decode:
         every = SHAPES + QWEN_SHAPES + OTHER_SHAPES
-        chosen = every if args.shapes == [s[0] for s in SHAPES] else tuple(s for s in every if s[0] in args.shapes)
+        chosen = every if args.shapes is None else tuple(s for s in every if s[0] in args.shapes)
         with tempfile.TemporaryDirectory() as tmp:
             module = kernels.get_local_kernel(build_kernel(project, Path(tmp)) / "build")
             compared = compare_decode(module, shapes=chosen, tokens=tuple(args.tokens), out_path=args.out,
@@ -775,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         module = kernels.get_local_kernel(build_kernel(project, Path(tmp)) / "build")
-        tuned = tune(module, [s for s in SHAPES if s[0] in args.shapes], tuple(args.tokens))
+        tuned = tune(module, [s for s in SHAPES if args.shapes is None or s[0] in args.shapes], tuple(args.tokens))
     code = tuned.pop("code")
     env = environment()
     tuned["env"] = env
