@@ -743,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead of the sweep: M=1 fp32 GEMV vs packed-fp16 GEMV candidates vs cuBLAS "
                              "(compare_gemv)")
     args = parser.parse_args(argv)
+    known = {s[0] for s in SHAPES + QWEN_SHAPES + OTHER_SHAPES}
+    if args.shapes is not None and not set(args.shapes) <= known:
+        parser.error(f"unknown --shapes {sorted(set(args.shapes) - known)}; known: {sorted(known)}")
     project = Workspace.load().kernel("w4a16")
     if args.decode_run:
         with tempfile.TemporaryDirectory() as tmp:
