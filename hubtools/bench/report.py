@@ -354,6 +354,11 @@ def smollm2_section(results: dict) -> list[str]:
         groups = ", ".join(f"{g}: {n}" for g, n in (r.get("layers_per_group_size") or {}).items()) or "-"
         lines.append(f"| {r['variant']} | {groups} | {r['perplexity']:.2f} | {r['ppl_ratio_vs_unquantized']:.3f}x | "
                      f"{r['tokens_per_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {r['peak_memory_bytes'] / 1e6:.1f} |")
+    calibration = results.get("calibration")
+    if calibration and any(r.get("method") == "gptq" for r in results["rows"]):
+        lines += ["", f"The `-gptq` variants are calibrated by w4a16's GPTQ on {calibration['sequences']} sequences "
+                      f"of {calibration['tokens']} tokens ({calibration['method']}, seed {calibration['seed']}); "
+                      "the others round to nearest."]
     for g in smollm2_goals(results):
         lines += ["", f"Goal: {g['goal']} ≤ {g['target']}: measured {g['value']:.3f}, "
                       f"{'met' if g['met'] else '**missed**'}. Group 128 applies only where it divides a layer's "
