@@ -66,11 +66,12 @@ def _skipped(name: str, skip: Iterable[str]) -> bool:
 
 def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] = ("lm_head",), *,
                    zero_point: bool = False, fmt: str = "int4", calibration: Optional[Iterable] = None,
-                   act_order: bool = False) -> nn.Module:
+                   act_order: bool = False, damp: float = 0.01) -> nn.Module:
     """Replace every ``nn.Linear`` of `model` whose qualified name does not match `skip` (a name, or a
     component of the dotted name) by a `W4A16Linear`, in place; returns `model`. Round-to-nearest, or with
     `calibration` (model inputs: token-id tensors or dicts of keyword arguments) GPTQ for the linears of the
-    decoder layers (`gptq.calibrate_model`, optionally `act_order`) and round-to-nearest for the others."""
+    decoder layers (`gptq.calibrate_model`, optionally `act_order`, with `damp` added to the Hessian's diagonal as
+    a fraction of its mean) and round-to-nearest for the others."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(skip, str):
@@ -79,7 +80,8 @@ def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] 
     if calibration is not None:
         from .gptq import calibrate_model
 
-        calibrate_model(model, calibration, group_size, skip, zero_point=zero_point, fmt=fmt, act_order=act_order)
+        calibrate_model(model, calibration, group_size, skip, zero_point=zero_point, fmt=fmt, act_order=act_order,
+                        damp=damp)
     elif act_order:
         raise ValueError("act_order=True needs calibration (GPTQ); round-to-nearest has no column order")
     targets = [(name, module) for name, module in model.named_modules()
