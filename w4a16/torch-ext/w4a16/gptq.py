@@ -2,19 +2,14 @@
 error is spread over the columns not yet rounded, weighted by the inverse Hessian ``H = X^T X`` of the layer's
 calibration inputs, so that ``X W^T`` moves as little as the 4-bit grid allows.
 
-`gptq_quantize` quantizes one weight from its Hessian; `calibrate_model` collects the Hessians of a model's
-``nn.Linear`` layers decoder layer by decoder layer (each layer sees the outputs of the layers already quantized,
-as GPTQ does) and swaps in `W4A16Linear` layers. Group parameters follow `formats.quantize` (round-to-nearest
-scales, zero points against the stored scales), computed from the weight as updated when its group is reached.
+`gptq_quantize` quantizes one weight from its Hessian (`layers.calibrate_model` collects a model's Hessians
+decoder layer by decoder layer and calls it). Group parameters follow `formats.quantize` (round-to-nearest scales,
+zero points against the stored scales), computed from the weight as updated when its group is reached.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Iterable
-
 import torch
-from torch import nn
 
 from .formats import FORMATS, NF4_CODEBOOK, QuantizedWeight, check_group_size, decode, encode, from_codes, group_params
 
@@ -80,93 +75,3 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, group_size: in
     codebook = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=weight.device) if fmt == "nf4" else None
     return from_codes(codes, torch.stack(scales), zero_t, group_size=group_size, fmt=fmt, dtype=weight.dtype,
                       codebook=codebook, perm=perm)
-
-
-class _Stop(Exception):
-    """Raised by the hook that captures the first decoder layer's inputs, to end the forward pass there."""
-
-
-def _next_inputs(out, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A decoder layer's call with its hidden states replaced by the layer's output (positional or keyword)."""
-    hidden = out[0] if isinstance(out, tuple) else out
-    if args:
-        return (hidden,) + args[1:], kwargs
-    return args, {**kwargs, "hidden_states": hidden}
-
-
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's stack of decoder layers: the longest ``nn.ModuleList`` whose items share one class."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0
-             and len({type(x) for x in m}) == 1]
-    if not lists:
-        raise ValueError("model has no nn.ModuleList of decoder layers; quantize it with quantize_model instead")
-    return max(lists, key=len)
-
-
-def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 128, skip: Iterable[str] = ("lm_head",),
-                    *, zero_point: bool = False, fmt: str = "int4", act_order: bool = False,
-                    damp: float = 0.01) -> nn.Module:
-    """GPTQ for every ``nn.Linear`` inside the model's decoder layers whose name does not match `skip`, in place;
-    returns `model`. `calibration`: model inputs (token-id tensors ``[batch, seq]`` or dicts of keyword
-    arguments), run once up to the first decoder layer; each layer then runs on the stored activations, its
-    Hessians are collected, its linears quantized, and it runs again to feed the next layer. Linears outside
-    the decoder layers (``lm_head``) are left as they are."""
-    from .layers import W4A16Linear, _skipped
-
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    skip = (skip,) if isinstance(skip, str) else tuple(skip)
-    layers = _decoder_layers(model)
-    captured: list[tuple[tuple, dict]] = []
-
-    def capture(module, args, kwargs):
-        captured.append((args, kwargs))
-        raise _Stop
-
-    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-    handle = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            for batch in calibration:
-                try:
-                    if isinstance(batch, dict):
-                        model(**batch, **no_cache)
-                    else:
-                        model(batch, **no_cache)
-                except _Stop:
-                    pass
-    finally:
-        handle.remove()
-    if not captured:
-        raise ValueError("calibration yielded no inputs")
-
-    prefix = {layer: name for name, layer in model.named_modules()}
-    for layer in layers:
-        linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)
-                   and not _skipped(f"{prefix[layer]}.{name}", skip)}
-        hessians = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64, device=m.weight.device)
-                    for name, m in linears.items()}
-
-        def accumulate(name):
-            def hook(module, args):
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-                hessians[name] += x.t() @ x
-            return hook
-
-        hooks = [m.register_forward_pre_hook(accumulate(name)) for name, m in linears.items()]
-        try:
-            with torch.no_grad():
-                for args, kwargs in captured:
-                    layer(*args, **kwargs)
-        finally:
-            for h in hooks:
-                h.remove()
-        for name, m in linears.items():
-            qw = gptq_quantize(m.weight, hessians[name], group_size=group_size, zero_point=zero_point, fmt=fmt,
-                               act_order=act_order, damp=damp)
-            parent_name, _, child = name.rpartition(".")
-            setattr(layer.get_submodule(parent_name) if parent_name else layer, child, W4A16Linear(qw, m.bias))
-        with torch.no_grad():  # the next layer sees this one's quantized outputs
-            outputs = [layer(*args, **kwargs) for args, kwargs in captured]
-        captured = [_next_inputs(out, args, kwargs) for out, (args, kwargs) in zip(outputs, captured)]
-    return model

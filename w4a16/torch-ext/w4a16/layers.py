@@ -1,5 +1,6 @@
-"""Modules for models: `W4A16Linear` (an ``nn.Linear`` replacement holding a 4-bit weight) and
-`quantize_model`, which swaps a model's ``nn.Linear`` layers in place.
+"""Modules for models: `W4A16Linear` (an ``nn.Linear`` replacement holding a 4-bit weight), `quantize_model`,
+which swaps a model's ``nn.Linear`` layers in place, and `calibrate_model`, its GPTQ walk through the decoder
+layers.
 
 These are ordinary modules built by conversion, not `kernels.kernelize` layers (a kernelize layer may
 not hold state of its own, and a 4-bit weight is state).
@@ -7,6 +8,7 @@ not hold state of its own, and a 4-bit weight is state).
 
 from __future__ import annotations
 
+import inspect
 from typing import Iterable, Optional
 
 import torch
@@ -14,6 +16,7 @@ from torch import nn
 
 from . import ops
 from .formats import QuantizedWeight, quantize
+from .gptq import gptq_quantize
 
 _FIELDS = ("qweight", "scales", "zeros", "codebook", "perm")
 
@@ -70,7 +73,7 @@ def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] 
     """Replace every ``nn.Linear`` of `model` whose qualified name does not match `skip` (a name, or a
     component of the dotted name) by a `W4A16Linear`, in place; returns `model`. Round-to-nearest, or with
     `calibration` (model inputs: token-id tensors or dicts of keyword arguments) GPTQ for the linears of the
-    decoder layers (`gptq.calibrate_model`, optionally `act_order`, with `damp` added to the Hessian's diagonal as
+    decoder layers (`calibrate_model`, optionally `act_order`, with `damp` added to the Hessian's diagonal as
     a fraction of its mean) and round-to-nearest for the others."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -78,8 +81,6 @@ def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] 
         skip = (skip,)
     skip = tuple(skip)
     if calibration is not None:
-        from .gptq import calibrate_model
-
         calibrate_model(model, calibration, group_size, skip, zero_point=zero_point, fmt=fmt, act_order=act_order,
                         damp=damp)
     elif act_order:
@@ -90,4 +91,92 @@ def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] 
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, W4A16Linear.from_linear(module, group_size, zero_point=zero_point, fmt=fmt))
+    return model
+
+
+class _Stop(Exception):
+    """Raised by the hook that captures the first decoder layer's inputs, to end the forward pass there."""
+
+
+def _next_inputs(out, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A decoder layer's call with its hidden states replaced by the layer's output (positional or keyword)."""
+    hidden = out[0] if isinstance(out, tuple) else out
+    if args:
+        return (hidden,) + args[1:], kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of decoder layers: the longest ``nn.ModuleList`` whose items share one class."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0
+             and len({type(x) for x in m}) == 1]
+    if not lists:
+        raise ValueError("model has no nn.ModuleList of decoder layers; quantize it with quantize_model instead")
+    return max(lists, key=len)
+
+
+def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 128, skip: Iterable[str] = ("lm_head",),
+                    *, zero_point: bool = False, fmt: str = "int4", act_order: bool = False,
+                    damp: float = 0.01) -> nn.Module:
+    """GPTQ for every ``nn.Linear`` inside the model's decoder layers whose name does not match `skip`, in place;
+    returns `model`. `calibration`: model inputs (token-id tensors ``[batch, seq]`` or dicts of keyword
+    arguments), run once up to the first decoder layer; each layer then runs on the stored activations, its
+    Hessians are collected, its linears quantized, and it runs again to feed the next layer. Linears outside
+    the decoder layers (``lm_head``) are left as they are."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    skip = (skip,) if isinstance(skip, str) else tuple(skip)
+    layers = _decoder_layers(model)
+    captured: list[tuple[tuple, dict]] = []
+
+    def capture(module, args, kwargs):
+        captured.append((args, kwargs))
+        raise _Stop
+
+    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    handle = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for batch in calibration:
+                try:
+                    if isinstance(batch, dict):
+                        model(**batch, **no_cache)
+                    else:
+                        model(batch, **no_cache)
+                except _Stop:
+                    pass
+    finally:
+        handle.remove()
+    if not captured:
+        raise ValueError("calibration yielded no inputs")
+
+    prefix = {layer: name for name, layer in model.named_modules()}
+    for layer in layers:
+        linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)
+                   and not _skipped(f"{prefix[layer]}.{name}", skip)}
+        hessians = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64, device=m.weight.device)
+                    for name, m in linears.items()}
+
+        def accumulate(name):
+            def hook(module, args):
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+                hessians[name] += x.t() @ x
+            return hook
+
+        hooks = [m.register_forward_pre_hook(accumulate(name)) for name, m in linears.items()]
+        try:
+            with torch.no_grad():
+                for args, kwargs in captured:
+                    layer(*args, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+        for name, m in linears.items():
+            qw = gptq_quantize(m.weight, hessians[name], group_size=group_size, zero_point=zero_point, fmt=fmt,
+                               act_order=act_order, damp=damp)
+            parent_name, _, child = name.rpartition(".")
+            setattr(layer.get_submodule(parent_name) if parent_name else layer, child, W4A16Linear(qw, m.bias))
+        with torch.no_grad():  # the next layer sees this one's quantized outputs
+            outputs = [layer(*args, **kwargs) for args, kwargs in captured]
+        captured = [_next_inputs(out, args, kwargs) for out, (args, kwargs) in zip(outputs, captured)]
     return model
