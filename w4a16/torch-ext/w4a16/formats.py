@@ -20,6 +20,7 @@ Dequantized weight: int4 ``(q - zero) * scale``; NF4 ``codebook[q] * scale``; pa
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -242,6 +243,13 @@ def quantize(weight: torch.Tensor, *, group_size: int = 128, zero_point: bool = 
                       fmt=fmt, dtype=weight.dtype, codebook=codebook)
 
 
+@functools.lru_cache(maxsize=None)
+def _nf4_values(device: torch.device) -> torch.Tensor:
+    """NF4_CODEBOOK as a float32 tensor on `device`, made once (GPTQ encodes and decodes column by column);
+    read only: a weight's own `codebook` is a fresh tensor."""
+    return torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device)
+
+
 def group_params(w: torch.Tensor, *, fmt: str, zero_point: bool, dtype: torch.dtype):
     """Round-to-nearest parameters of the groups along `w`'s last dimension (fp32 values): the scales, stored in
     `dtype`, and the zero points (float codes 0..15, int4 with zero points only, else None). See `quantize`."""
@@ -261,7 +269,7 @@ def encode(w: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
     broadcast against `w`."""
     safe = torch.where(scales == 0, 1.0, scales.float())
     if fmt == "nf4":
-        codebook = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=w.device)
+        codebook = _nf4_values(w.device)
         return torch.bucketize((w / safe).clamp(-1, 1), (codebook[1:] + codebook[:-1]) / 2).float()
     if zeros is not None:
         return (torch.round(w / safe) + zeros).clamp(0, 15)
@@ -272,8 +280,7 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tens
     """The fp32 values of 4-bit `codes` (the dequantized weight): NF4 ``codebook[q] * scale``, int4
     ``(q - zero) * scale`` (zero 8 when symmetric)."""
     if fmt == "nf4":
-        codebook = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=codes.device)
-        return codebook[codes.long()] * scales.float()
+        return _nf4_values(codes.device)[codes.long()] * scales.float()
     return (codes - (8.0 if zeros is None else zeros)) * scales.float()
 
 

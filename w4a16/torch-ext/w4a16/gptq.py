@@ -52,7 +52,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, group_size: in
     width = k if group_size == -1 else group_size
     codes = torch.empty_like(w)
     scales, zeros = [], []
-    block = max(128, width if group_size != -1 else 128)
+    block = max(128, group_size)  # whole groups per block (per channel: 128 columns)
     for start in range(0, k, block):
         stop = min(start + block, k)
         wb = w[:, start:stop].clone()

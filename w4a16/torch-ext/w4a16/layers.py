@@ -8,6 +8,7 @@ not hold state of its own, and a 4-bit weight is state).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Iterable, Optional
 
@@ -62,9 +63,19 @@ class W4A16Linear(nn.Module):
                 f"fmt={self.fmt}, group_size={self.group_size}, zero_point={self.zeros is not None}")
 
 
+def _skip_names(skip: Iterable[str] | str) -> tuple[str, ...]:
+    return (skip,) if isinstance(skip, str) else tuple(skip)
+
+
 def _skipped(name: str, skip: Iterable[str]) -> bool:
     parts = name.split(".")
     return any(s == name or s in parts or name.endswith("." + s) for s in skip)
+
+
+def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` at the dotted `name` below `root`."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
 
 
 def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] = ("lm_head",), *,
@@ -77,9 +88,7 @@ def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] 
     a fraction of its mean) and round-to-nearest for the others."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(skip, str):
-        skip = (skip,)
-    skip = tuple(skip)
+    skip = _skip_names(skip)
     if calibration is not None:
         calibrate_model(model, calibration, group_size, skip, zero_point=zero_point, fmt=fmt, act_order=act_order,
                         damp=damp)
@@ -88,9 +97,7 @@ def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] 
     targets = [(name, module) for name, module in model.named_modules()
                if name and isinstance(module, nn.Linear) and not _skipped(name, skip)]
     for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, W4A16Linear.from_linear(module, group_size, zero_point=zero_point, fmt=fmt))
+        _replace(model, name, W4A16Linear.from_linear(module, group_size, zero_point=zero_point, fmt=fmt))
     return model
 
 
@@ -125,7 +132,7 @@ def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 1
     the decoder layers (``lm_head``) are left as they are."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    skip = (skip,) if isinstance(skip, str) else tuple(skip)
+    skip = _skip_names(skip)
     layers = _decoder_layers(model)
     captured: list[tuple[tuple, dict]] = []
 
@@ -138,13 +145,11 @@ def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 1
     try:
         with torch.no_grad():
             for batch in calibration:
-                try:
+                with contextlib.suppress(_Stop):  # `capture` ends the pass at the first decoder layer
                     if isinstance(batch, dict):
                         model(**batch, **no_cache)
                     else:
                         model(batch, **no_cache)
-                except _Stop:
-                    pass
     finally:
         handle.remove()
     if not captured:
@@ -174,8 +179,7 @@ def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 1
         for name, m in linears.items():
             qw = gptq_quantize(m.weight, hessians[name], group_size=group_size, zero_point=zero_point, fmt=fmt,
                                act_order=act_order, damp=damp)
-            parent_name, _, child = name.rpartition(".")
-            setattr(layer.get_submodule(parent_name) if parent_name else layer, child, W4A16Linear(qw, m.bias))
+            _replace(layer, name, W4A16Linear(qw, m.bias))
         with torch.no_grad():  # the next layer sees this one's quantized outputs
             outputs = [layer(*args, **kwargs) for args, kwargs in captured]
         captured = [_next_inputs(out, args, kwargs) for out, (args, kwargs) in zip(outputs, captured)]
