@@ -29,7 +29,7 @@ CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot an
     "dot-planes": {"kernel": "dot", "block_m": 16, "block_n": 128, "split_k": 1},
     "dot-full-swap-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
                             "full_tile": True},
-    # Operands 1 + code / 16 from integer ops, zero points through the sums of x, swapped or not; formats they
+    # Operands (code - zero) / 16 from integer ops, swapped or not; formats they
     # do not take (groups of 32 / 64, NF4) run the dequantized planes.
     "dot-packed-swap-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
                               "packed": True},
@@ -236,6 +236,9 @@ def test_resolve_makes_every_choice_once(k):
     assert not k.tuning.resolve(tma, odd, None, 128)["x_desc"] and k.tuning.resolve(tma, odd, None, 128)["w_desc"]
     nf4 = k.tuning.resolve(dot, x16, torch.zeros(16), 128)
     assert not nf4["packed"] and not nf4["scale_weights"] and not nf4["nf4_tables"]  # not a full-tile config
+    # inline PTX only on NVIDIA GPUs (the interpreter runs the Triton operands and scalings)
+    assert not k.tuning.resolve({**dot, "packed_ptx": True}, x16, None, 128)["packed_ptx"]
+    assert not k.tuning.resolve({**dot, "full_tile": True}, x16, torch.zeros(16), 64)["nf4_half_scale"]
     assert k.tuning.resolve({**dot, "full_tile": True}, x16, torch.zeros(16), 128)["nf4_tables"]  # emulated here
     assert not k.tuning.resolve({**dot, "full_tile": True}, x16, None, 128)["nf4_tables"]
 

@@ -46,32 +46,88 @@ def _unit_planes(w, BF16: tl.constexpr):
     return p0, p1, p2, p3, p4, p5, p6, p7
 
 
+# Multiplies two fp16 pairs (the codebook values of planes J, J + 4 by their groups' scales), rounded once per
+# value like a dequantized weight; Triton would convert each half apart (two conversions and two fp32 multiplies
+# per weight).
+_HMUL2_ASM = tl.constexpr("mul.rn.f16x2 $0, $1, $2;")
+
+
 @triton.jit
-def _nf4_plane(q, tile, rows, s_ptr, group_size, stride_sg, J: tl.constexpr, SCALED: tl.constexpr,
-               DTYPE: tl.constexpr):
-    """Nibble plane J as DTYPE from the fp16 bits of codebook[code] / 16 in the low half of `q` (times its
-    group's scale when SCALED, in fp32, so the operand is rounded once)."""
-    v = q.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16.0
+def _half_bits(h):
+    """16-bit floats as the int32 holding their bits in the low half."""
+    return h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+# (code - zero) / 16 for the nibble pairs (J, J + 4), J = 0..3, of a word ($4) in one block: per pair a shift, a
+# mask-and-OR into 1 + code / 16 (one LOP3: PTX takes both immediates, ptxas keeps one in a register) and one
+# packed subtraction of 1 + zero / 16 ($5, in both halves). In Triton the subtraction runs on each value apart.
+_CODE_PAIRS_FP16_ASM = tl.constexpr(
+    "{\n.reg .b32 t;\n"
+    + "".join(f"{op}.b32 t, $4, {n};\nlop3.b32 t, t, 0x03C003C0, 0x3C003C00, 0xEA;\nsub.rn.f16x2 ${j}, t, $5;\n"
+              for j, (op, n) in enumerate([("shl", 6), ("shl", 2), ("shr", 2), ("shr", 6)]))
+    + "}")
+_CODE_PAIRS_BF16_ASM = tl.constexpr(
+    "{\n.reg .b32 t;\n"
+    + "".join(f"{op}.b32 t, $4, {n};\nlop3.b32 t, t, 0x00780078, 0x3F803F80, 0xEA;\nsub.rn.bf16x2 ${j}, t, $5;\n"
+              for j, (op, n) in enumerate([("shl", 3), ("shr", 1), ("shr", 5), ("shr", 9)]))
+    + "}")
+
+
+@triton.jit
+def _code_planes_ptx(w, unit_zero, DTYPE: tl.constexpr):
+    """The 8 planes of a word tile as (code - zero) / 16 in DTYPE (fp16 or bf16), `unit_zero` = 1 + zero / 16 per
+    row, by `_CODE_PAIRS_*_ASM`."""
+    z = _half_bits(unit_zero)
+    z = tl.broadcast_to(z | (z << 16), w.shape)
+    if DTYPE == tl.bfloat16:
+        asm: tl.constexpr = _CODE_PAIRS_BF16_ASM
+    else:
+        asm: tl.constexpr = _CODE_PAIRS_FP16_ASM
+    c0, c1, c2, c3 = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r", [w, z],
+                                               dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    return (c0.to(tl.int16).to(DTYPE, bitcast=True), c1.to(tl.int16).to(DTYPE, bitcast=True),
+            c2.to(tl.int16).to(DTYPE, bitcast=True), c3.to(tl.int16).to(DTYPE, bitcast=True),
+            (c0 >> 16).to(tl.int16).to(DTYPE, bitcast=True), (c1 >> 16).to(tl.int16).to(DTYPE, bitcast=True),
+            (c2 >> 16).to(tl.int16).to(DTYPE, bitcast=True), (c3 >> 16).to(tl.int16).to(DTYPE, bitcast=True))
+
+
+@triton.jit
+def _nf4_pair_planes(q, tile, rows, s_ptr, stride_sg, J: tl.constexpr, group_size: tl.constexpr,
+                     SCALED: tl.constexpr, HALF_SCALE: tl.constexpr, DTYPE: tl.constexpr):
+    """Planes J and J + 4 as DTYPE from the fp16 codebook values in the halves of `q`, times their groups'
+    scales when SCALED: by one packed fp16 multiply per pair where HALF_SCALE (fp16 operands and scales: the
+    product is exact before its one rounding), else in fp32."""
     if SCALED:
-        v = v * tl.load(s_ptr + tl.cast((tile * 128 + J * 16) // group_size, tl.int64) * stride_sg + rows).to(tl.float32)[:, None]
-    return v.to(DTYPE)
+        lo_offs = tl.cast(tile * (128 // group_size) + (16 * J) // group_size, tl.int64) * stride_sg + rows
+        hi_offs = tl.cast(tile * (128 // group_size) + (16 * J + 64) // group_size, tl.int64) * stride_sg + rows
+        s_lo = tl.load(s_ptr + lo_offs)[:, None]
+        s_hi = tl.load(s_ptr + hi_offs)[:, None]
+    if HALF_SCALE:
+        if SCALED:
+            s_pair = _half_bits(s_lo) | (_half_bits(s_hi) << 16)
+            q = tl.inline_asm_elementwise(_HMUL2_ASM, "=r,r,r", [q, tl.broadcast_to(s_pair, q.shape)],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        return (q.to(tl.int16).to(tl.float16, bitcast=True),
+                (q >> 16).to(tl.int16).to(tl.float16, bitcast=True))
+    lo = q.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (q >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if SCALED:
+        lo = lo * s_lo.to(tl.float32)
+        hi = hi * s_hi.to(tl.float32)
+    return lo.to(DTYPE), hi.to(DTYPE)
 
 
 @triton.jit
-def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, group_size, stride_sg, SCALED: tl.constexpr,
-                         DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_size: tl.constexpr,
+                         SCALED: tl.constexpr, HALF_SCALE: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     """A [BLOCK_N, 16] NF4 word tile as one [BLOCK_N, 128] operand in K order, the codebook looked up by byte
     permutes (`nf4._nf4_pairs`) instead of one gather per weight."""
     q0, q1, q2, q3 = _nf4_pairs(w, tables, cb_ptr, EMULATE)
-    return _natural_order(
-        _nf4_plane(q0, tile, rows, s_ptr, group_size, stride_sg, 0, SCALED, DTYPE),
-        _nf4_plane(q1, tile, rows, s_ptr, group_size, stride_sg, 1, SCALED, DTYPE),
-        _nf4_plane(q2, tile, rows, s_ptr, group_size, stride_sg, 2, SCALED, DTYPE),
-        _nf4_plane(q3, tile, rows, s_ptr, group_size, stride_sg, 3, SCALED, DTYPE),
-        _nf4_plane(q0 >> 16, tile, rows, s_ptr, group_size, stride_sg, 4, SCALED, DTYPE),
-        _nf4_plane(q1 >> 16, tile, rows, s_ptr, group_size, stride_sg, 5, SCALED, DTYPE),
-        _nf4_plane(q2 >> 16, tile, rows, s_ptr, group_size, stride_sg, 6, SCALED, DTYPE),
-        _nf4_plane(q3 >> 16, tile, rows, s_ptr, group_size, stride_sg, 7, SCALED, DTYPE))
+    p0, p4 = _nf4_pair_planes(q0, tile, rows, s_ptr, stride_sg, 0, group_size, SCALED, HALF_SCALE, DTYPE)
+    p1, p5 = _nf4_pair_planes(q1, tile, rows, s_ptr, stride_sg, 1, group_size, SCALED, HALF_SCALE, DTYPE)
+    p2, p6 = _nf4_pair_planes(q2, tile, rows, s_ptr, stride_sg, 2, group_size, SCALED, HALF_SCALE, DTYPE)
+    p3, p7 = _nf4_pair_planes(q3, tile, rows, s_ptr, stride_sg, 3, group_size, SCALED, HALF_SCALE, DTYPE)
+    return _natural_order(p0, p1, p2, p3, p4, p5, p6, p7)
 
 
 @triton.jit
@@ -83,7 +139,8 @@ def _dot_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_K: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
     FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
-    X_DESC: tl.constexpr, W_DESC: tl.constexpr, NF4_TABLES: tl.constexpr, EMULATE: tl.constexpr,
+    X_DESC: tl.constexpr, W_DESC: tl.constexpr, NF4_TABLES: tl.constexpr, NF4_HALF_SCALE: tl.constexpr,
+    PACKED_PTX: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """Tensor-core path. Per K-tile either 8 dots of K=16 (one per nibble plane: a contiguous K run) or,
     with FULL_TILE, the 8 planes interleaved back into natural K order and one dot of K=128.
@@ -102,9 +159,12 @@ def _dot_kernel(
     tensor descriptors (TMA; `STAGES` deep), zero-filled past M and K, instead of pointer loads (full-tile
     paths only).
 
+    PACKED_PTX (PACKED, NVIDIA): the same operands from one inline-PTX block per word (`_code_planes_ptx`).
+
     NF4_TABLES (NF4 on the full-tile path, NVIDIA): the codebook is looked up by byte permutes
     (`_nf4_tile_in_k_order`) rather than gathered per weight; EMULATE runs the same bit logic by gathers (the
-    interpreter).
+    interpreter). NF4_HALF_SCALE (fp16 operands and scales, NVIDIA): groups smaller than a tile scale the
+    looked-up pairs by packed fp16 multiplies (`_HMUL2_ASM`) instead of in fp32.
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -134,7 +194,7 @@ def _dot_kernel(
             zero = tl.load(z_ptr + rows).to(tl.float32)[:, None]
     tables = 0
     if NF4_TABLES and not EMULATE:
-        tables = _nf4_tables(cb_ptr)
+        tables = _nf4_tables(cb_ptr, False)
     if UPCAST:
         dot_dtype = tl.float32
     elif X_DESC:
@@ -164,15 +224,18 @@ def _dot_kernel(
             if HAS_ZERO and not PER_CHANNEL:
                 tile_zero = tl.load(z_ptr + group_offs)[:, None]
             unit_zero = (1.0 + tile_zero.to(tl.float32) * 0.0625).to(dot_dtype)  # exact: 1 + z / 16
-            u0, u1, u2, u3, u4, u5, u6, u7 = _unit_planes(w, dot_dtype == tl.bfloat16)
-            wt = _natural_order(u0 - unit_zero, u1 - unit_zero, u2 - unit_zero, u3 - unit_zero,
-                                u4 - unit_zero, u5 - unit_zero, u6 - unit_zero, u7 - unit_zero)
+            if PACKED_PTX:
+                wt = _natural_order(*_code_planes_ptx(w, unit_zero, dot_dtype))
+            else:
+                u0, u1, u2, u3, u4, u5, u6, u7 = _unit_planes(w, dot_dtype == tl.bfloat16)
+                wt = _natural_order(u0 - unit_zero, u1 - unit_zero, u2 - unit_zero, u3 - unit_zero,
+                                    u4 - unit_zero, u5 - unit_zero, u6 - unit_zero, u7 - unit_zero)
             if SCALE_WEIGHTS:  # the group's scale times 16 on the operand, rounded once like a dequantized weight
                 wt = wt * (tl.load(s_ptr + group_offs).to(tl.float32) * 16.0).to(dot_dtype)[:, None]
             wt = wt.to(dot_dtype)
         elif FULL_TILE and NF4_TABLES:
-            wt = _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, group_size, stride_sg,
-                                      not SCALE_ON_ACC and not PER_CHANNEL, dot_dtype, EMULATE)
+            wt = _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_size,
+                                      not SCALE_ON_ACC and not PER_CHANNEL, NF4_HALF_SCALE, dot_dtype, EMULATE)
         elif FULL_TILE:
             wt = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, NF4, HAS_ZERO,
                                   PER_CHANNEL, SCALE_ON_ACC, dot_dtype)

@@ -332,7 +332,7 @@ def _gemv_h2_kernel(
             zlo, zhi = _h2_zero_pairs(tl.load(z_ptr + rows).to(tl.float32)[:, None, None] + acc)
     tables = 0
     if NF4 and not EMULATE:
-        tables = _nf4_tables(cb_ptr)
+        tables = _nf4_tables(cb_ptr, True)
     if PREFETCH:
         w_next = _word_tiles(w_ptrs, first + tile_ar, (first + tile_ar < num_tiles) & (tile_ar < tiles_per_split), True)
     for it in tl.range(0, tiles_per_split, TILES, num_stages=STAGES):

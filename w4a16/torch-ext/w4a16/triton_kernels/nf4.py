@@ -1,6 +1,7 @@
 """NF4 codebook lookups by byte permutes (PRMT), shared by the packed-fp16 GEMV and the tensor-core kernel.
 
-The 16 codebook values / 16, as fp16, live in 8 registers: the low bytes of entries 0-3, 4-7, 8-11, 12-15 and
+The 16 codebook values as fp16 (divided by 16 for the GEMV, whose int4 arithmetic carries that factor; as they
+are for the tensor-core operands) live in 8 registers: the low bytes of entries 0-3, 4-7, 8-11, 12-15 and
 then their high bytes (`_nf4_tables`). One PRMT looks up 4 bytes at once in an 8-byte table by the low 3 bits of
 4 nibbles; bit 3 of each nibble, made a byte mask by one more PRMT (selector 0xC replicates the sign of a 0x80
 byte), picks the table half with a LOP3.
@@ -11,29 +12,30 @@ import triton.language as tl
 
 
 @triton.jit
-def _nf4_byte(cb_ptr, i: tl.constexpr, HIGH: tl.constexpr):
-    """Byte HIGH of codebook entry i / 16 as fp16, in bits 8 (i % 4) and up."""
-    bits = (tl.load(cb_ptr + i) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+def _nf4_byte(cb_ptr, i: tl.constexpr, HIGH: tl.constexpr, SIXTEENTH: tl.constexpr):
+    """Byte HIGH of codebook entry i (/ 16 when SIXTEENTH) as fp16, in bits 8 (i % 4) and up."""
+    bits = (tl.load(cb_ptr + i) * (0.0625 if SIXTEENTH else 1.0)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
     if HIGH:
         bits = bits >> 8
     return (bits & 0xFF) << (8 * (i % 4))
 
 
 @triton.jit
-def _nf4_quad(cb_ptr, q: tl.constexpr, HIGH: tl.constexpr):
+def _nf4_quad(cb_ptr, q: tl.constexpr, HIGH: tl.constexpr, SIXTEENTH: tl.constexpr):
     """One PRMT table register: byte HIGH of entries 4q .. 4q + 3."""
-    return (_nf4_byte(cb_ptr, 4 * q, HIGH) | _nf4_byte(cb_ptr, 4 * q + 1, HIGH) | _nf4_byte(cb_ptr, 4 * q + 2, HIGH)
-            | _nf4_byte(cb_ptr, 4 * q + 3, HIGH))
+    return (_nf4_byte(cb_ptr, 4 * q, HIGH, SIXTEENTH) | _nf4_byte(cb_ptr, 4 * q + 1, HIGH, SIXTEENTH)
+            | _nf4_byte(cb_ptr, 4 * q + 2, HIGH, SIXTEENTH) | _nf4_byte(cb_ptr, 4 * q + 3, HIGH, SIXTEENTH))
 
 
 @triton.jit
-def _nf4_tables(cb_ptr):
-    """The 8 PRMT table registers of the codebook / 16 as fp16 (see _NF4_ASM): low bytes of entries 0-3,
+def _nf4_tables(cb_ptr, SIXTEENTH: tl.constexpr):
+    """The 8 PRMT table registers of the codebook (/ 16 when SIXTEENTH) as fp16 (see _NF4_ASM): low bytes of entries 0-3,
     4-7, 8-11, 12-15, then high bytes. Built from scalar loads, which ptxas keeps in ordinary registers (built
     with a reduction they sat in uniform registers and every PRMT copied them out first)."""
-    return (_nf4_quad(cb_ptr, 0, False), _nf4_quad(cb_ptr, 1, False), _nf4_quad(cb_ptr, 2, False),
-            _nf4_quad(cb_ptr, 3, False), _nf4_quad(cb_ptr, 0, True), _nf4_quad(cb_ptr, 1, True),
-            _nf4_quad(cb_ptr, 2, True), _nf4_quad(cb_ptr, 3, True))
+    return (_nf4_quad(cb_ptr, 0, False, SIXTEENTH), _nf4_quad(cb_ptr, 1, False, SIXTEENTH),
+            _nf4_quad(cb_ptr, 2, False, SIXTEENTH), _nf4_quad(cb_ptr, 3, False, SIXTEENTH),
+            _nf4_quad(cb_ptr, 0, True, SIXTEENTH), _nf4_quad(cb_ptr, 1, True, SIXTEENTH),
+            _nf4_quad(cb_ptr, 2, True, SIXTEENTH), _nf4_quad(cb_ptr, 3, True, SIXTEENTH))
 
 
 def nf4_lookup_asm(selector: str, table: int) -> str:
@@ -47,8 +49,8 @@ def nf4_lookup_asm(selector: str, table: int) -> str:
             "lop3.b32 lo, la, lb, m, 0xD8;\nlop3.b32 hi, ha, hb, m, 0xD8;\n")
 
 
-# The tensor-core kernel's NF4 operands: for each 32-bit word, 4 fp16 pairs (codebook[nibble J] / 16 in the low
-# half, codebook[nibble J + 4] / 16 in the high half), the layout `dot._unit_pair` gives int4. Bytes 0 and 2 of
+# The tensor-core kernel's NF4 operands: for each 32-bit word, 4 fp16 pairs (codebook[nibble J] in the low
+# half, codebook[nibble J + 4] in the high half), the layout `dot._unit_pair` gives int4. Bytes 0 and 2 of
 # the word (nibbles 0, 1, 4, 5) and then bytes 1 and 3 (nibbles 2, 3, 6, 7) are gathered into one selector
 # each, looked up (`nf4_lookup_asm`), and 2 PRMT interleave low and high bytes into the pairs (J, J + 4): 26
 # instructions per 8 weights. Operands: $0-$3 the pairs, $4 the word, $5-$12 the tables.
@@ -62,20 +64,21 @@ _NF4_PAIRS_ASM = tl.constexpr(
 
 
 @triton.jit
-def _nf4_cb16_bits(cb_ptr, code):
-    """codebook[code] / 16 as fp16 bits in the low half of an int32 (the emulation of `_NF4_PAIRS_ASM`)."""
-    return (tl.load(cb_ptr + code) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+def _nf4_cb_bits(cb_ptr, code):
+    """codebook[code] as fp16 bits in the low half of an int32 (the emulation of `_NF4_PAIRS_ASM`)."""
+    return tl.load(cb_ptr + code).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
 
 
 @triton.jit
 def _nf4_pairs(w, tables, cb_ptr, EMULATE: tl.constexpr):
-    """The 4 int32 fp16 pairs (planes J, J + 4) of a word tile (see `_NF4_PAIRS_ASM`); EMULATE computes the
-    same bits by gathers (the interpreter has no PTX)."""
+    """The 4 int32 fp16 pairs (planes J, J + 4) of a word tile (see `_NF4_PAIRS_ASM`), from tables of the
+    codebook itself (`_nf4_tables(cb_ptr, False)`); EMULATE computes the same bits by gathers (the interpreter
+    has no PTX)."""
     if EMULATE:
-        q0 = _nf4_cb16_bits(cb_ptr, w & 0xF) | (_nf4_cb16_bits(cb_ptr, (w >> 16) & 0xF) << 16)
-        q1 = _nf4_cb16_bits(cb_ptr, (w >> 4) & 0xF) | (_nf4_cb16_bits(cb_ptr, (w >> 20) & 0xF) << 16)
-        q2 = _nf4_cb16_bits(cb_ptr, (w >> 8) & 0xF) | (_nf4_cb16_bits(cb_ptr, (w >> 24) & 0xF) << 16)
-        q3 = _nf4_cb16_bits(cb_ptr, (w >> 12) & 0xF) | (_nf4_cb16_bits(cb_ptr, (w >> 28) & 0xF) << 16)
+        q0 = _nf4_cb_bits(cb_ptr, w & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 16) & 0xF) << 16)
+        q1 = _nf4_cb_bits(cb_ptr, (w >> 4) & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 20) & 0xF) << 16)
+        q2 = _nf4_cb_bits(cb_ptr, (w >> 8) & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 24) & 0xF) << 16)
+        q3 = _nf4_cb_bits(cb_ptr, (w >> 12) & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 28) & 0xF) << 16)
         return q0, q1, q2, q3
     else:
         l0, l1, l2, l3, h0, h1, h2, h3 = tables
