@@ -5,7 +5,8 @@ group sizes 32, 64, 128 (or any multiple of 128) and per-channel; importers for 
 act-order), AWQ and bitsandbytes NF4 checkpoints; a GEMV path for decode, a tensor-core path with the
 dequantization in the K loop, and dequantize-then-cuBLAS for large M, chosen by M. Quantization by
 round-to-nearest (`quantize`, `quantize_model`) or calibrated (GPTQ: `gptq_quantize`,
-``quantize_model(..., calibration=...)``).
+``quantize_model(..., calibration=...)``); `quantize_model` also fuses the projections that read one input
+(q / k / v, gate / up) into one matmul (`fuse_projections`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .checkpoints import from_pretrained, load_checkpoint
 from .formats import NF4_CODEBOOK, QuantizedWeight, load_quantized, quantize, save_quantized
 from .gptq import gptq_quantize
 from .importers import from_awq, from_bnb_nf4, from_compressed_tensors, from_gptq
-from .layers import W4A16Linear, quantize_model
+from .layers import W4A16Linear, fuse_projections, quantize_model
 
 __all__ = [
     "NF4_CODEBOOK",
@@ -31,6 +32,7 @@ __all__ = [
     "from_compressed_tensors",
     "from_gptq",
     "from_pretrained",
+    "fuse_projections",
     "gptq_quantize",
     "layers",
     "load_checkpoint",

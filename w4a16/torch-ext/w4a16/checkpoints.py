@@ -24,7 +24,7 @@ from torch import nn
 
 from .formats import QuantizedWeight
 from .importers import from_awq, from_compressed_tensors, from_gptq
-from .layers import W4A16Linear
+from .layers import W4A16Linear, fuse_projections
 # The model's dtype is its activations' dtype, which W4A16Linear takes in float16 or bfloat16.
 from .ops import ACTIVATION_DTYPES
 
@@ -222,7 +222,8 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[torch.dtype] = None) -> nn.Module:
+def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[torch.dtype] = None,
+                    fuse: bool = False) -> nn.Module:
     """Load the quantized checkpoint in `folder` into `model` in place and return it.
 
     `model` is built from the checkpoint's config (parameters on the meta device or anywhere else).
@@ -230,6 +231,8 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
     (embeddings, norms, biases, an unquantized lm_head) is loaded into the model, in `dtype` when given,
     else in the dtype of the model's own parameter. A tied lm_head is tied again through the model's
     ``tie_weights`` when the checkpoint does not store it. Scales keep the checkpoint's dtype (exact).
+    With `fuse`, q / k / v and gate / up then run as one matmul each where their formats, group sizes and
+    act-order permutations agree (`fuse_projections`; exact).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -239,6 +242,8 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
         raise TypeError(f"dtype must be None, torch.float16 or torch.bfloat16, got {dtype!r}")
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a torch.device or a device string, got {type(device).__name__}")
+    if not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
     device = torch.device(device)
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
@@ -282,7 +287,8 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
         dense = {name: handle for name, handle in where.items() if name not in consumed}
         _load_dense(model, dense, tuple(f"{prefix}." for prefix in prefixes), device, dtype)
     # Buffers the model computed itself (rotary frequencies) are not in the checkpoint: they follow too.
-    return model.to(device)
+    model.to(device)
+    return fuse_projections(model) if fuse else model
 
 
 def _load_dense(model: nn.Module, where: dict, quantized: tuple[str, ...], device: torch.device,
@@ -328,13 +334,14 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def from_pretrained(folder, *, dtype: torch.dtype = torch.float16, device="cpu", model_class=None) -> nn.Module:
+def from_pretrained(folder, *, dtype: torch.dtype = torch.float16, device="cpu", model_class=None,
+                    fuse: bool = False) -> nn.Module:
     """Build the transformers model of a quantized checkpoint folder and load it with `load_checkpoint`.
 
     `model_class` is a transformers auto class or model class with ``from_config`` (by default
     ``AutoModelForCausalLM``). The model is built from the folder's config.json with its parameters on
     the meta device, so nothing is allocated before the checkpoint's tensors are read. Returns the model
-    in eval mode.
+    in eval mode. `fuse` as in `load_checkpoint`.
     """
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"folder must be a path (str or os.PathLike), got {type(folder).__name__}")
@@ -361,4 +368,4 @@ def from_pretrained(folder, *, dtype: torch.dtype = torch.float16, device="cpu",
     # computed ones (rotary frequencies) keep their values.
     with init_empty_weights(include_buffers=False):
         model = model_class.from_config(config, dtype=dtype)
-    return load_checkpoint(model, folder, device=device, dtype=dtype).eval()
+    return load_checkpoint(model, folder, device=device, dtype=dtype, fuse=fuse).eval()

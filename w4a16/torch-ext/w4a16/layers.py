@@ -1,6 +1,6 @@
 """Modules for models: `W4A16Linear` (an ``nn.Linear`` replacement holding a 4-bit weight), `quantize_model`,
-which swaps a model's ``nn.Linear`` layers in place, and `calibrate_model`, its GPTQ walk through the decoder
-layers.
+which swaps a model's ``nn.Linear`` layers in place, `calibrate_model`, its GPTQ walk through the decoder
+layers, and `fuse_projections`, which runs the projections that read one input as one matmul (see `fusion`).
 
 These are ordinary modules built by conversion, not `kernels.kernelize` layers (a kernelize layer may
 not hold state of its own, and a 4-bit weight is state).
@@ -8,8 +8,10 @@ not hold state of its own, and a 4-bit weight is state).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
+import logging
 from typing import Iterable, Optional
 
 import torch
@@ -17,7 +19,11 @@ from torch import nn
 
 from . import ops
 from .formats import QuantizedWeight, quantize
+from .fusion import (GATE_UP, QKV, FusedQKVProjection, GateUpMLP, HandedOffProjection, concat_weights,
+                     gated_mlp_problem, qkv_layout_problem)
 from .gptq import gptq_quantize
+
+logger = logging.getLogger(__name__)
 
 _FIELDS = ("qweight", "scales", "zeros", "codebook", "perm")
 
@@ -80,14 +86,17 @@ def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
 
 def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] = ("lm_head",), *,
                    zero_point: bool = False, fmt: str = "int4", calibration: Optional[Iterable] = None,
-                   act_order: bool = False, damp: float = 0.01) -> nn.Module:
+                   act_order: bool = False, damp: float = 0.01, fuse: bool = True) -> nn.Module:
     """Replace every ``nn.Linear`` of `model` whose qualified name does not match `skip` (a name, or a
     component of the dotted name) by a `W4A16Linear`, in place; returns `model`. Round-to-nearest, or with
     `calibration` (model inputs: token-id tensors or dicts of keyword arguments) GPTQ for the linears of the
     decoder layers (`calibrate_model`, optionally `act_order`, with `damp` added to the Hessian's diagonal as
-    a fraction of its mean) and round-to-nearest for the others."""
+    a fraction of its mean) and round-to-nearest for the others. With `fuse` (exact) the projections that read
+    one input then run as one matmul: q / k / v and gate / up (`fuse_projections`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
     skip = _skip_names(skip)
     if calibration is not None:
         calibrate_model(model, calibration, group_size, skip, zero_point=zero_point, fmt=fmt, act_order=act_order,
@@ -98,6 +107,71 @@ def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] 
                if name and isinstance(module, nn.Linear) and not _skipped(name, skip)]
     for name, module in targets:
         _replace(model, name, W4A16Linear.from_linear(module, group_size, zero_point=zero_point, fmt=fmt))
+    return fuse_projections(model) if fuse else model
+
+
+def _has_children(module: nn.Module, names: tuple[str, ...]) -> bool:
+    return all(isinstance(getattr(module, name, None), nn.Module) for name in names)
+
+
+def _concat_bias(linears: list[W4A16Linear]) -> Optional[torch.Tensor]:
+    """The biases of `linears` end to end, zeros standing in for a missing one (adding 0 is exact); None if none."""
+    present = [m.bias for m in linears if m.bias is not None]
+    if not present:
+        return None
+    return torch.cat([present[0].new_zeros(m.out_features) if m.bias is None else m.bias for m in linears])
+
+
+def _fused_linear(linears: list[W4A16Linear]) -> W4A16Linear:
+    return W4A16Linear(concat_weights([m.quantized_weight for m in linears]), _concat_bias(linears))
+
+
+def _fuse_group(model: nn.Module, name: str, module: nn.Module, group: tuple[str, ...]) -> Optional[str]:
+    """Fuse `group` (QKV or GATE_UP) of `module` (at `name` in `model`); the reason it stays unfused, or None
+    (fused, or nothing of it quantized)."""
+    linears = [getattr(module, child) for child in group]
+    if not any(isinstance(m, W4A16Linear) for m in linears):
+        return None
+    if not all(isinstance(m, W4A16Linear) for m in linears):
+        return f"{', '.join(group)} are not all W4A16Linear"
+    problem = qkv_layout_problem(module) if group == QKV else gated_mlp_problem(module)
+    if problem is None and not name:
+        problem = "the MLP is the model itself"
+    if problem is not None:
+        return problem
+    try:
+        fused = _fused_linear(linears)
+    except ValueError as error:  # formats, group sizes or act-order permutations that differ
+        return str(error)
+    if group == QKV:
+        head = FusedQKVProjection(fused, tuple(m.out_features for m in linears))
+        module.q_proj, module.k_proj, module.v_proj = head, HandedOffProjection(head, 0), HandedOffProjection(head, 1)
+    else:
+        _replace(model, name, GateUpMLP(fused, module.down_proj, module.act_fn))
+    return None
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Run the 4-bit projections of `model` that read the same input as one matmul, in place; returns `model`.
+    Each attention's ``q_proj``, ``k_proj``, ``v_proj`` become one `W4A16Linear` (`fusion.FusedQKVProjection`
+    and `fusion.HandedOffProjection`), each gated MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) a
+    `fusion.GateUpMLP`. Exact: the fused weight holds the separate ones' rows. Modules whose forward is not
+    recognised, or whose projections are not all `W4A16Linear` agreeing on format, group size and act-order
+    permutation, stay as they are, with the reason logged."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    unfused = collections.Counter()
+    for name, module in list(model.named_modules()):
+        if _has_children(module, QKV):
+            reason = _fuse_group(model, name, module, QKV)
+        elif _has_children(module, GATE_UP + ("down_proj",)) and hasattr(module, "act_fn"):
+            reason = _fuse_group(model, name, module, GATE_UP)
+        else:
+            continue
+        if reason is not None:
+            unfused[type(module).__name__, reason] += 1
+    for (cls, reason), count in unfused.items():
+        logger.warning("w4a16: %d %s module(s) left unfused: %s", count, cls, reason)
     return model
 
 
@@ -120,6 +194,19 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not lists:
         raise ValueError("model has no nn.ModuleList of decoder layers; quantize it with quantize_model instead")
     return max(lists, key=len)
+
+
+def _shared_inputs(layer: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, str]:
+    """For each of `linears` (by name below `layer`), the name of the one whose input it reads: q / k / v and
+    gate / up of a recognised attention or MLP read one tensor, so they share one Hessian (one pass of x^T x,
+    and equal act-order permutations, which `fuse_projections` needs)."""
+    reads = {name: name for name in linears}
+    for prefix, module in layer.named_modules():
+        for group, problem in ((QKV, qkv_layout_problem), (GATE_UP, gated_mlp_problem)):
+            names = [f"{prefix}.{child}" if prefix else child for child in group]
+            if all(name in linears for name in names) and problem(module) is None:
+                reads.update({name: names[0] for name in names})
+    return reads
 
 
 def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 128, skip: Iterable[str] = ("lm_head",),
@@ -159,8 +246,9 @@ def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 1
     for layer in layers:
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)
                    and not _skipped(f"{prefix[layer]}.{name}", skip)}
+        reads = _shared_inputs(layer, linears)
         hessians = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64, device=m.weight.device)
-                    for name, m in linears.items()}
+                    for name, m in linears.items() if reads[name] == name}
 
         def accumulate(name):
             def hook(module, args):
@@ -168,7 +256,7 @@ def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 1
                 hessians[name] += x.t() @ x
             return hook
 
-        hooks = [m.register_forward_pre_hook(accumulate(name)) for name, m in linears.items()]
+        hooks = [linears[name].register_forward_pre_hook(accumulate(name)) for name in hessians]
         try:
             with torch.no_grad():
                 for args, kwargs in captured:
@@ -177,7 +265,7 @@ def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 1
             for h in hooks:
                 h.remove()
         for name, m in linears.items():
-            qw = gptq_quantize(m.weight, hessians[name], group_size=group_size, zero_point=zero_point, fmt=fmt,
+            qw = gptq_quantize(m.weight, hessians[reads[name]], group_size=group_size, zero_point=zero_point, fmt=fmt,
                                act_order=act_order, damp=damp)
             _replace(layer, name, W4A16Linear(qw, m.bias))
         with torch.no_grad():  # the next layer sees this one's quantized outputs
