@@ -236,8 +236,7 @@ def test_resolve_makes_every_choice_once(k):
     assert not k.tuning.resolve(tma, odd, None, 128)["x_desc"] and k.tuning.resolve(tma, odd, None, 128)["w_desc"]
     nf4 = k.tuning.resolve(dot, x16, torch.zeros(16), 128)
     assert not nf4["packed"] and not nf4["scale_weights"] and not nf4["nf4_tables"]  # not a full-tile config
-    # inline PTX only on NVIDIA GPUs (the interpreter runs the Triton operands and scalings)
-    assert not k.tuning.resolve({**dot, "packed_ptx": True}, x16, None, 128)["packed_ptx"]
+    # packed fp16 scalings by inline PTX: NVIDIA GPUs only (the interpreter scales in fp32)
     assert not k.tuning.resolve({**dot, "full_tile": True}, x16, torch.zeros(16), 64)["nf4_half_scale"]
     assert k.tuning.resolve({**dot, "full_tile": True}, x16, torch.zeros(16), 128)["nf4_tables"]  # emulated here
     assert not k.tuning.resolve({**dot, "full_tile": True}, x16, None, 128)["nf4_tables"]

@@ -11,8 +11,7 @@ in by TMA; with ``num_stages`` > 1 either is software-pipelined through shared m
 see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the operand rather than the accumulator;
 ``x_desc`` / ``w_desc``: x and the weight words by TMA descriptors, where x's rows are 16-byte aligned;
 ``nf4_tables``: NF4 operands by byte permutes rather than gathers, on by default where PTX runs;
-``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``packed_ptx``: the packed int4
-operands by one inline-PTX block per word) or
+``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
@@ -188,7 +187,6 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int) -> dict:
                       and (interpreting() or ptx))
         # packed fp16 multiplies of the looked-up pairs (fp16 activations; the launcher checks the scales' dtype)
         nf4_half_scale = nf4_tables and ptx and x.dtype == torch.float16 and bool(config.get("nf4_half_scale", True))
-        packed_ptx = packed and ptx and bool(config.get("packed_ptx", False))
         return {**config, "packed": packed, "scale_weights": scale_weights, "x_desc": x_desc, "w_desc": w_desc,
-                "nf4_tables": nf4_tables, "nf4_half_scale": nf4_half_scale, "packed_ptx": packed_ptx}
+                "nf4_tables": nf4_tables, "nf4_half_scale": nf4_half_scale}
     return dict(config)

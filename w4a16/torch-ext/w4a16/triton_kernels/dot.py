@@ -15,8 +15,10 @@ from .nf4 import _nf4_pairs, _nf4_tables
 @triton.jit
 def _unit_pair(w, SHIFT: tl.constexpr, BF16: tl.constexpr):
     """Planes j and j + 4 of each word as 1 + code / 16 (SHIFT = 4 j - the mantissa position of the nibble).
-    ptxas spends two LOP3 on mask and OR (two immediates); with the bits of 1.0 in a register it fuses them, but
-    Triton then sends the operand through shared memory, 1.4-2.6x slower on the H200 (docs/design/w4a16.md E4)."""
+    ptxas spends two LOP3 on mask and OR (two immediates) and the zero's subtraction runs per value, not per
+    pair. Fusing either (the bits of 1.0 from a register, E4; the pair built and the zero subtracted in inline
+    PTX, E5) made Triton send the operand through shared memory: 1.1-2.7x slower on the H200
+    (docs/design/w4a16.md)."""
     if SHIFT >= 0:
         t = w >> SHIFT
     else:
@@ -56,39 +58,6 @@ _HMUL2_ASM = tl.constexpr("mul.rn.f16x2 $0, $1, $2;")
 def _half_bits(h):
     """16-bit floats as the int32 holding their bits in the low half."""
     return h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-
-
-# (code - zero) / 16 for the nibble pairs (J, J + 4), J = 0..3, of a word ($4) in one block: per pair a shift, a
-# mask-and-OR into 1 + code / 16 (one LOP3: PTX takes both immediates, ptxas keeps one in a register) and one
-# packed subtraction of 1 + zero / 16 ($5, in both halves). In Triton the subtraction runs on each value apart.
-_CODE_PAIRS_FP16_ASM = tl.constexpr(
-    "{\n.reg .b32 t;\n"
-    + "".join(f"{op}.b32 t, $4, {n};\nlop3.b32 t, t, 0x03C003C0, 0x3C003C00, 0xEA;\nsub.rn.f16x2 ${j}, t, $5;\n"
-              for j, (op, n) in enumerate([("shl", 6), ("shl", 2), ("shr", 2), ("shr", 6)]))
-    + "}")
-_CODE_PAIRS_BF16_ASM = tl.constexpr(
-    "{\n.reg .b32 t;\n"
-    + "".join(f"{op}.b32 t, $4, {n};\nlop3.b32 t, t, 0x00780078, 0x3F803F80, 0xEA;\nsub.rn.bf16x2 ${j}, t, $5;\n"
-              for j, (op, n) in enumerate([("shl", 3), ("shr", 1), ("shr", 5), ("shr", 9)]))
-    + "}")
-
-
-@triton.jit
-def _code_planes_ptx(w, unit_zero, DTYPE: tl.constexpr):
-    """The 8 planes of a word tile as (code - zero) / 16 in DTYPE (fp16 or bf16), `unit_zero` = 1 + zero / 16 per
-    row, by `_CODE_PAIRS_*_ASM`."""
-    z = _half_bits(unit_zero)
-    z = tl.broadcast_to(z | (z << 16), w.shape)
-    if DTYPE == tl.bfloat16:
-        asm: tl.constexpr = _CODE_PAIRS_BF16_ASM
-    else:
-        asm: tl.constexpr = _CODE_PAIRS_FP16_ASM
-    c0, c1, c2, c3 = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r", [w, z],
-                                               dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    return (c0.to(tl.int16).to(DTYPE, bitcast=True), c1.to(tl.int16).to(DTYPE, bitcast=True),
-            c2.to(tl.int16).to(DTYPE, bitcast=True), c3.to(tl.int16).to(DTYPE, bitcast=True),
-            (c0 >> 16).to(tl.int16).to(DTYPE, bitcast=True), (c1 >> 16).to(tl.int16).to(DTYPE, bitcast=True),
-            (c2 >> 16).to(tl.int16).to(DTYPE, bitcast=True), (c3 >> 16).to(tl.int16).to(DTYPE, bitcast=True))
 
 
 @triton.jit
@@ -140,7 +109,7 @@ def _dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
     FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
     X_DESC: tl.constexpr, W_DESC: tl.constexpr, NF4_TABLES: tl.constexpr, NF4_HALF_SCALE: tl.constexpr,
-    PACKED_PTX: tl.constexpr, EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """Tensor-core path. Per K-tile either 8 dots of K=16 (one per nibble plane: a contiguous K run) or,
     with FULL_TILE, the 8 planes interleaved back into natural K order and one dot of K=128.
@@ -158,8 +127,6 @@ def _dot_kernel(
     X_DESC / W_DESC: x (boxes [BLOCK_M, 128]) and the weight words (boxes [BLOCK_N, 16]) come through host
     tensor descriptors (TMA; `STAGES` deep), zero-filled past M and K, instead of pointer loads (full-tile
     paths only).
-
-    PACKED_PTX (PACKED, NVIDIA): the same operands from one inline-PTX block per word (`_code_planes_ptx`).
 
     NF4_TABLES (NF4 on the full-tile path, NVIDIA): the codebook is looked up by byte permutes
     (`_nf4_tile_in_k_order`) rather than gathered per weight; EMULATE runs the same bit logic by gathers (the
@@ -224,12 +191,9 @@ def _dot_kernel(
             if HAS_ZERO and not PER_CHANNEL:
                 tile_zero = tl.load(z_ptr + group_offs)[:, None]
             unit_zero = (1.0 + tile_zero.to(tl.float32) * 0.0625).to(dot_dtype)  # exact: 1 + z / 16
-            if PACKED_PTX:
-                wt = _natural_order(*_code_planes_ptx(w, unit_zero, dot_dtype))
-            else:
-                u0, u1, u2, u3, u4, u5, u6, u7 = _unit_planes(w, dot_dtype == tl.bfloat16)
-                wt = _natural_order(u0 - unit_zero, u1 - unit_zero, u2 - unit_zero, u3 - unit_zero,
-                                    u4 - unit_zero, u5 - unit_zero, u6 - unit_zero, u7 - unit_zero)
+            u0, u1, u2, u3, u4, u5, u6, u7 = _unit_planes(w, dot_dtype == tl.bfloat16)
+            wt = _natural_order(u0 - unit_zero, u1 - unit_zero, u2 - unit_zero, u3 - unit_zero,
+                                u4 - unit_zero, u5 - unit_zero, u6 - unit_zero, u7 - unit_zero)
             if SCALE_WEIGHTS:  # the group's scale times 16 on the operand, rounded once like a dequantized weight
                 wt = wt * (tl.load(s_ptr + group_offs).to(tl.float32) * 16.0).to(dot_dtype)[:, None]
             wt = wt.to(dot_dtype)

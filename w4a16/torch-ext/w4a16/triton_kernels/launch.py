@@ -133,7 +133,7 @@ def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size
         X_DESC=bool(plan.get("x_desc", False)), W_DESC=bool(plan.get("w_desc", False)),
         NF4_TABLES=bool(plan.get("nf4_tables", False)),
         NF4_HALF_SCALE=bool(plan.get("nf4_half_scale", False)) and scales.dtype == torch.float16,
-        PACKED_PTX=bool(plan.get("packed_ptx", False)), EMULATE=interpreting(),
+        EMULATE=interpreting(),
         num_warps=plan.get("num_warps", 4),
     )
     if splits > 1:
