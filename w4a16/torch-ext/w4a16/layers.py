@@ -135,8 +135,8 @@ def _fuse_group(model: nn.Module, name: str, module: nn.Module, group: tuple[str
     if not all(isinstance(m, W4A16Linear) for m in linears):
         return f"{', '.join(group)} are not all W4A16Linear"
     problem = qkv_layout_problem(module) if group == QKV else gated_mlp_problem(module)
-    if problem is None and not name:
-        problem = "the MLP is the model itself"
+    if problem is None and group == GATE_UP and not name:
+        problem = "the MLP is the model itself, which cannot be replaced in place"
     if problem is not None:
         return problem
     try:
