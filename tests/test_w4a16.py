@@ -33,11 +33,6 @@ CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot an
     # do not take (groups of 32 / 64, NF4) run the dequantized planes.
     "dot-packed-swap-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
                               "packed": True},
-    # Split-K reduced by the last split of each output tile, in the kernel (no reduction launch).
-    "dot-packed-inline-reduce": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 3, "swap_ab": True,
-                                 "packed": True, "inline_reduce": True},
-    "dot-full-unswapped-inline-reduce": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2,
-                                         "full_tile": True, "inline_reduce": True},
     "dot-packed-scaled": {"kernel": "dot", "block_m": 16, "block_n": 128, "split_k": 1, "packed": True,
                           "scale_weights": True},
     # x and the weight words by TMA descriptors (zero-filled past M and K), the scale on the operand.
@@ -53,8 +48,6 @@ CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot an
     # TMA boxes (zero-filled past the last tile).
     "gemv-half2-staged": {"kernel": "gemv", "block_n": 32, "tiles": 2, "split_k": 2, "num_stages": 3, "x_bcast": True,
                           "half2": True},
-    "gemv-half2-inline-reduce": {"kernel": "gemv", "block_n": 32, "tiles": 1, "split_k": 3, "half2": True,
-                                 "inline_reduce": True},
     "gemv-half2-tma": {"kernel": "gemv", "block_n": 32, "tiles": 2, "split_k": 2, "num_stages": 3, "x_bcast": True,
                        "tma": True, "half2": True},
     # As the tuned tables write it: the fp32 GEMV's tiles, and the packed-fp16 GEMV's own where it applies.
@@ -221,27 +214,6 @@ def test_untuned_shapes_are_logged_once(k, caplog):
     assert len(messages) == 2
     assert "1536 x 8960 on NVIDIA H200 (configs/nvidia-h200.json)" in messages[0]
     assert "no configs/some-other-gpu.json" in messages[1]
-
-
-@pytest.mark.parametrize("config", [CONFIGS["dot-packed-inline-reduce"], CONFIGS["gemv-half2-inline-reduce"]],
-                         ids=["dot", "gemv-half2"])
-def test_inline_split_reduce_equals_the_reduction_kernel(k, config):
-    """The last split of each output tile sums the partials in the same order as `_splitk_reduce_kernel`: the
-    same bits, on repeated calls (the tickets go back to zero after every launch)."""
-    n, kk, m = N, 384, 1 if config["kernel"] == "gemv" else 5
-    qw = k.quantize(_weight(n, kk, seed=11), group_size=128, zero_point=True)
-    bias = torch.randn(n, generator=_gen(12)).half()
-    launch = k.triton_kernels.launch
-    for seed in (13, 14):
-        x = torch.randn(m, kk, generator=_gen(seed)).half()
-        outs = []
-        for inline in (True, False):
-            out = torch.full((m, n), float("nan"), dtype=torch.float16)
-            k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, bias, n, kk, 128,
-                                    {**config, "inline_reduce": inline}, out=out)
-            outs.append(out)
-        assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()
-        assert launch._TICKETS and all(not t.any() for t in launch._TICKETS.values())
 
 
 def test_resolve_makes_every_choice_once(k):

@@ -116,31 +116,6 @@ def test_explicit_configs_write_every_output(k, config, zero_point):
     _check_launch(k, x, qw, bias, config)
 
 
-@pytest.mark.parametrize("config,m", [
-    ({"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 5, "swap_ab": True, "num_warps": 4, "num_stages": 3,
-      "packed": True}, 37),
-    ({"kernel": "dot", "block_m": 64, "block_n": 128, "split_k": 3, "swap_ab": True, "num_warps": 4, "num_stages": 3,
-      "packed": True, "x_desc": True, "w_desc": True}, 100),
-    ({"kernel": "gemv", "block_n": 8, "tiles": 8, "split_k": 4, "half2": True}, 1)], ids=["dot", "dot-tma", "gemv-half2"])
-def test_inline_split_reduce_equals_the_reduction_kernel(k, config, m):
-    """The last split of each output tile reduces in the kernel (a ticket per tile, taken after a barrier): the same
-    bits as the reduction kernel, call after call, with every ticket back at zero (a race would move the bits or
-    leave a ticket behind)."""
-    n, kk = 3000, 5120
-    qw = k.quantize(_weight(n, kk, torch.float16, seed=9), group_size=128, zero_point=True)
-    bias = torch.randn(n, device="cuda", dtype=torch.float16)
-    x = torch.randn(m, kk, device="cuda", dtype=torch.float16)
-    expected = k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, bias, n, kk, 128, config)
-    for _ in range(20):
-        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
-        k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, bias, n, kk, 128,
-                                {**config, "inline_reduce": True}, out=out)
-        assert torch.equal(out, expected)
-    tickets = k.triton_kernels.launch._TICKETS
-    assert tickets and all(not t.any() for t in tickets.values())
-    _check_launch(k, x, qw, bias, {**config, "inline_reduce": True})
-
-
 HALF2_FORMATS = [(False, 128), (True, 128), (False, -1), (True, -1), (True, 256)]  # (zero_point, group_size)
 
 

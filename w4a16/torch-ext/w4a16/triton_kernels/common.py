@@ -1,4 +1,4 @@
-"""What the kernel families share: the 2**23 magic for int -> float, word tiles, the split-K reductions."""
+"""What the kernel families share: the 2**23 magic for int -> float, word tiles, the split-K reduction."""
 
 import triton
 import triton.language as tl
@@ -85,22 +85,3 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N,
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _reduce_if_last_split(part_ptr, tickets_ptr, tile_id, num_splits, offs, mask, stride_split, bias_ptr, bias_offs,
-                          out_ptr, HAS_BIAS: tl.constexpr):
-    """After a split stored its fp32 partial (at part_ptr + pid_k * stride_split + offs), the last of the output
-    tile's splits to finish sums every split's partial in split order (deterministic, as
-    `_splitk_reduce_kernel`), adds the bias and writes the output: no second launch. Its ticket goes back to 0
-    for the next launch."""
-    tl.debug_barrier()  # every thread's partial is stored before the program takes its ticket
-    ticket = tl.atomic_add(tickets_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-    if ticket == num_splits - 1:
-        acc = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in range(1, num_splits):
-            acc += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + bias_offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(tickets_ptr + tile_id, 0)

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .common import _WORDS, _natural_order, _plane, _reduce_if_last_split, _tile_in_k_order
+from .common import _WORDS, _natural_order, _plane, _tile_in_k_order
 from .nf4 import _nf4_pairs, _nf4_tables
 
 
@@ -101,15 +101,15 @@ def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_
 
 @triton.jit
 def _dot_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, final_ptr, tickets_ptr,
-    M, N, K, num_tiles, tiles_per_split, num_splits, group_size: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
+    M, N, K, num_tiles, tiles_per_split, group_size: tl.constexpr,
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
     NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SUBG: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_K: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
     FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
     X_DESC: tl.constexpr, W_DESC: tl.constexpr, NF4_TABLES: tl.constexpr, NF4_HALF_SCALE: tl.constexpr,
-    INLINE_REDUCE: tl.constexpr, EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """Tensor-core path. Per K-tile either 8 dots of K=16 (one per nibble plane: a contiguous K run) or,
     with FULL_TILE, the 8 planes interleaved back into natural K order and one dot of K=128.
@@ -123,9 +123,6 @@ def _dot_kernel(
     accumulator; with SCALE_WEIGHTS the group scale (times 16) is applied to the operand instead, so the
     accumulator chain is never interrupted (larger M). On the H200 this takes ~30 % fewer instructions per
     weight than the fp32 planes and won at every M from 16 to 256 (docs/design/w4a16/dot-attempt.md).
-
-    PARTIAL writes fp32 partials (at out_ptr) for `_splitk_reduce_kernel`, or with INLINE_REDUCE the last split of
-    each output tile reduces them into final_ptr itself (`_reduce_if_last_split`).
 
     X_DESC / W_DESC: x (boxes [BLOCK_M, 128]) and the weight words (boxes [BLOCK_N, 16]) come through host
     tensor descriptors (TMA; `STAGES` deep), zero-filled past M and K, instead of pointer loads (full-tile
@@ -255,10 +252,3 @@ def _dot_kernel(
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.store(out_ptr + pid_k.to(tl.int64) * stride_split + out_offs, acc, mask=out_mask)
-        if INLINE_REDUCE:
-            if SWAP_AB:
-                bias_offs = tl.broadcast_to(rows[:, None], out_offs.shape)
-            else:
-                bias_offs = tl.broadcast_to(rows[None, :], out_offs.shape)
-            _reduce_if_last_split(out_ptr, tickets_ptr, pid, num_splits, out_offs, out_mask, stride_split, bias_ptr,
-                                  bias_offs, final_ptr, HAS_BIAS)

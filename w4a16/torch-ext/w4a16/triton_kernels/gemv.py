@@ -4,7 +4,7 @@
 import triton
 import triton.language as tl
 
-from .common import _MAGIC, _MAGIC_BITS, _WORDS, _i32, _reduce_if_last_split, _word_tiles
+from .common import _MAGIC, _MAGIC_BITS, _WORDS, _i32, _word_tiles
 from .nf4 import _nf4_tables, nf4_lookup_asm
 
 
@@ -293,14 +293,14 @@ def _x_to_fp16_kernel(x_ptr, xh_ptr, xs_ptr, K, num_tiles, stride_xm, stride_hm,
 
 @triton.jit
 def _gemv_h2_kernel(
-    x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, final_ptr, tickets_ptr,
-    N, K, num_tiles, tiles_per_split, num_splits, group_size,
+    x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
+    N, K, num_tiles, tiles_per_split, group_size,
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
     HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, X_SCALED: tl.constexpr, NF4: tl.constexpr,
     HALF_GROUPS: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    X_BCAST: tl.constexpr, W_DESC: tl.constexpr, INLINE_REDUCE: tl.constexpr, EMULATE: tl.constexpr,
+    X_BCAST: tl.constexpr, W_DESC: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
     `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
@@ -403,6 +403,3 @@ def _gemv_h2_kernel(
     if PER_CHANNEL:
         result = result * scale
     _store_gemv_rows(result, rows, N, m, pid_k, bias_ptr, out_ptr, stride_om, stride_split, HAS_BIAS, PARTIAL)
-    if PARTIAL and INLINE_REDUCE:  # the last split of these rows reduces (see `_reduce_if_last_split`)
-        _reduce_if_last_split(out_ptr, tickets_ptr, m * tl.num_programs(0) + pid_n, num_splits, m * stride_om + rows,
-                              rows < N, stride_split, bias_ptr, rows, final_ptr, HAS_BIAS)

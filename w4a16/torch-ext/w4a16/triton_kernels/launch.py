@@ -38,21 +38,6 @@ def _reduce_splits(part, bias, out, n) -> None:
     )
 
 
-_TICKETS: dict = {}
-
-
-def _split_tickets(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 tickets, one per output tile, for split-K launches whose last split reduces in the kernel
-    (`common._reduce_if_last_split`); every launch leaves them at zero again, so they are allocated once. One
-    buffer per stream, as two launches in flight at once must not share tickets."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    tickets = _TICKETS.get((device, stream))
-    if tickets is None or tickets.numel() < count:
-        tickets = torch.zeros(max(count, 1 << 14), dtype=torch.int32, device=device)
-        _TICKETS[(device, stream)] = tickets
-    return tickets
-
-
 def _gemv_grid(x, qweight, out, n, k, plan, bias) -> tuple:
     """(grid, per-split tiles, split count, output target, the launch flags both GEMV kernels take)."""
     m = x.shape[0]
@@ -96,24 +81,22 @@ def _launch_gemv_h2(x, qweight, scales, zeros, codebook, bias, out, n, k, group_
         _x_to_fp16_kernel[(m, triton.cdiv(num_tiles, 8))](x, x16, x_scales, k, num_tiles, x.stride(0),
                                                            x16.stride(0), TILES=8, num_warps=4)
         x = x16
-    inline_reduce = splits > 1 and bool(plan.get("inline_reduce", False))
-    tickets = _split_tickets(x.device, grid[0] * m) if inline_reduce else scales
     w_desc = bool(plan.get("tma", False))
     qw = qweight
     if w_desc:  # TMA boxes of [block_n, tiles, 16] words (a host descriptor: encoded per launch, no scratch)
         qw = TensorDescriptor(qweight, [qweight.shape[0], num_tiles, WORDS_PER_TILE],
                               [qweight.stride(0), WORDS_PER_TILE, 1], [plan["block_n"], plan["tiles"], WORDS_PER_TILE])
     _gemv_h2_kernel[grid](
-        x, x_scales, qw, scales, _or(zeros, scales), _or(codebook, scales), _or(bias, scales), target, out, tickets,
-        n, k, num_tiles, per_split, splits, qweight.shape[1] * 8 if group_size == -1 else group_size,
+        x, x_scales, qw, scales, _or(zeros, scales), _or(codebook, scales), _or(bias, scales), target,
+        n, k, num_tiles, per_split, qweight.shape[1] * 8 if group_size == -1 else group_size,
         x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
         HAS_ZERO=zeros is not None, PER_CHANNEL=group_size == -1, X_SCALED=x_scaled,
         NF4=codebook is not None, HALF_GROUPS=group_size == 64,
-        X_BCAST=bool(plan.get("x_bcast", False)), W_DESC=w_desc, INLINE_REDUCE=inline_reduce, EMULATE=interpreting(),
+        X_BCAST=bool(plan.get("x_bcast", False)), W_DESC=w_desc, EMULATE=interpreting(),
         # masked tiles mask x per tile (MASK_TILES); descriptor boxes are loaded in the loop, not ahead
         **dict(flags, MASK_X=k % 128 != 0, PREFETCH=flags["PREFETCH"] and not w_desc),
     )
-    if splits > 1 and not inline_reduce:
+    if splits > 1:
         _reduce_splits(target, bias, out, n)
 
 
@@ -133,14 +116,12 @@ def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size
         x_arg = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 128])
     if plan.get("w_desc", False):
         qw_arg = TensorDescriptor(qweight, list(qweight.shape), [qweight.stride(0), 1], [block_n, WORDS_PER_TILE])
-    inline_reduce = splits > 1 and bool(plan.get("inline_reduce", False))
-    tickets = _split_tickets(x.device, grid[0]) if inline_reduce else scales
     _dot_kernel[grid](
         x_arg, qw_arg, scales, _or(zeros, scales),
-        _or(codebook, scales), _or(bias, scales), target, out, tickets,
+        _or(codebook, scales), _or(bias, scales), target,
         # a compile-time group size: the group of a tile is then a shift, not a division per K-tile (per channel
         # it is never read)
-        m, n, k, num_tiles, per_split, splits, 128 if group_size == -1 else group_size,
+        m, n, k, num_tiles, per_split, 128 if group_size == -1 else group_size,
         x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
         **flags, HAS_BIAS=bias is not None, PARTIAL=splits > 1, MASK_K=k % 128 != 0,
         SCALE_ON_ACC=flags["SUBG"] == 128 and not flags["PER_CHANNEL"] and not scale_weights,
@@ -152,10 +133,10 @@ def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size
         X_DESC=bool(plan.get("x_desc", False)), W_DESC=bool(plan.get("w_desc", False)),
         NF4_TABLES=bool(plan.get("nf4_tables", False)),
         NF4_HALF_SCALE=bool(plan.get("nf4_half_scale", False)) and scales.dtype == torch.float16,
-        INLINE_REDUCE=inline_reduce, EMULATE=interpreting(),
+        EMULATE=interpreting(),
         num_warps=plan.get("num_warps", 4),
     )
-    if splits > 1 and not inline_reduce:
+    if splits > 1:
         _reduce_splits(target, bias, out, n)
 
 
