@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hubtools.client_env import client_env  # noqa: E402
-from hubtools.hub_server import running_hub  # noqa: E402
+from hubtools.hub.server import running_hub  # noqa: E402
 from hubtools.workspace import Workspace  # noqa: E402
 
 

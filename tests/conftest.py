@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def scratch_workspace(tmp_path) -> Path:
     """A committed git copy of this workspace in a temporary folder, for tests that edit or publish."""
-    from scratch import make_scratch_workspace
+    from workspace_copy import make_scratch_workspace
 
     return make_scratch_workspace(tmp_path / "workspace")
 

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from scratch import git_commit
+from workspace_copy import git_commit
 
 from hubtools import checks
 from hubtools.build import build_kernel, source_state

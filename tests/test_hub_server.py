@@ -1,4 +1,4 @@
-"""Conformance tests for the self-hosted kernel hub (hubtools/hub_server.py).
+"""Conformance tests for the self-hosted kernel hub (hubtools/hub/).
 
 Everything runs against the real server process on loopback (`running_hub`) with the real clients,
 huggingface_hub 2.4.0 and kernels 0.17.2, following the Hub API contract the two clients rely on.
@@ -36,7 +36,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.hf_api import RepoFile, RepoFolder
 
-from hubtools.hub_server import running_hub
+from hubtools.hub.server import running_hub
 
 TOKEN = "test-token"
 ORG = "test-org"

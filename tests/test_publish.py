@@ -14,10 +14,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from scratch import git_commit, make_scratch_workspace
+from workspace_copy import git_commit, make_scratch_workspace
 
 from hubtools.client_env import client_env
-from hubtools.hub_server import running_hub
+from hubtools.hub.server import running_hub
 
 TOKEN = "test-token"
 ORG = "triton-llm"

@@ -1,4 +1,4 @@
-"""Scratch git copies of the workspace for tests that edit sources, commit or publish."""
+"""Committed git copies of the workspace for tests that edit sources, commit or publish; the commit helper."""
 
 import shutil
 import subprocess
