@@ -277,18 +277,6 @@ def _cases(k, name: str, model: Model, layers: list[Layer]):
     yield Case(k, model, layers, SKEWED_TOKENS, skewed=True, seed=99)
 
 
-def warm_compile(k, names=None) -> None:
-    """Call every case once (no timing) so Triton's disk cache holds its kernels; run in parallel processes."""
-    for name in names or MODELS:
-        model = MODELS[name]
-        layers = make_layers(model, 1)
-        for case in _cases(k, name, model, layers):
-            case.ours(0)
-        torch.cuda.synchronize()
-        del layers
-        torch.cuda.empty_cache()
-
-
 def run(kernel_module) -> dict:
     torch.manual_seed(0)
     warm_clocks()
