@@ -117,6 +117,12 @@ def _linear_weights(spec):
     return per_layer, (spec.vocab, spec.hidden)
 
 
+def _w4a16_weights(spec):
+    """The w4a16 configuration's matrices per layer: quantize_model fuses q/k/v and gate/up (one padded weight each)."""
+    (q, hidden), (kv, _), _, o, (inter, _), _, down = _linear_weights(spec)[0]
+    return [(q + 2 * kv, hidden), o, (2 * inter, hidden), down]
+
+
 def test_bytes_accounting(rows):
     spec = e2e.MODELS["tiny"]
     per_layer, lm_head = _linear_weights(spec)
@@ -125,7 +131,7 @@ def test_bytes_accounting(rows):
     assert bf16["bytes_actual_parts"]["matrices"] == 2 * (decoder_elems + lm_head[0] * lm_head[1])
     # int4: rows padded to 128, K to 128; codes 4 bits + one bf16 scale per 128 K-columns; lm_head bf16
     pad = lambda v: -(-v // 128) * 128  # noqa: E731
-    packed = spec.layers * sum(pad(n) * pad(k) // 2 + pad(k) // 128 * pad(n) * 2 for n, k in per_layer)
+    packed = spec.layers * sum(pad(n) * pad(k) // 2 + pad(k) // 128 * pad(n) * 2 for n, k in _w4a16_weights(spec))
     assert w4["bytes_actual_parts"]["matrices"] == packed + 2 * lm_head[0] * lm_head[1]
     ideal = spec.layers * sum(n * k // 2 + k // 128 * n * 2 for n, k in per_layer)
     ideal += lm_head[0] * lm_head[1] // 2 + lm_head[1] // 128 * lm_head[0] * 2
@@ -158,9 +164,9 @@ def test_tied_lm_head_reads_the_whole_embedding(kernels, torch_path):
     e2e.quantize(model, kernels)
     assert type(model.lm_head).__name__ == "Linear"
     actual, ideal = e2e.decode_bytes(model, cache_len=16, context_len=8)
-    per_layer, (vocab, hidden) = _linear_weights(spec)
+    _, (vocab, hidden) = _linear_weights(spec)
     pad = lambda v: -(-v // 128) * 128  # noqa: E731
-    packed = spec.layers * sum(pad(n) * pad(k) // 2 + pad(k) // 128 * pad(n) * 2 for n, k in per_layer)
+    packed = spec.layers * sum(pad(n) * pad(k) // 2 + pad(k) // 128 * pad(n) * 2 for n, k in _w4a16_weights(spec))
     assert actual["matrices"] == packed + 2 * vocab * hidden
     assert actual["embedding_row"] == 2 * hidden
     assert ideal["matrices"] < actual["matrices"]

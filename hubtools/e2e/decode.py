@@ -5,7 +5,8 @@ shapes of Qwen2.5-1.5B and Llama-3-8B, in bf16. Each model runs three configurat
 the same weights:
 
 - ``bf16``: the stock ``transformers`` model;
-- ``w4a16``: ``w4a16.quantize_model`` (int4, symmetric, group 128) on every ``nn.Linear`` but ``lm_head``;
+- ``w4a16``: ``w4a16.quantize_model`` (int4, symmetric, group 128) on every ``nn.Linear`` but ``lm_head``, q/k/v
+  and gate/up fused into one matmul each (its default);
 - ``w4a16+rmsnorm``: that, plus ``kernels.kernelize`` mapping ``RMSNorm`` to the rmsnorm kernel's layer.
 
 Protocol (one model at a time, one configuration at a time):
@@ -629,7 +630,7 @@ METHOD = {
               "bf16, sdpa attention; qwen2.5-1.5b: tied embeddings, biases on q/k/v only; llama-3-8b: untied, "
               "default RoPE (the llama3 frequency scaling changes no shapes or bytes)",
     "configs": "bf16: stock model; w4a16: w4a16.quantize_model(group_size=128, skip=('lm_head',), "
-               "zero_point=False, fmt='int4') (lm_head stays bf16); w4a16+rmsnorm: plus kernels.kernelize "
+               "zero_point=False, fmt='int4') (lm_head stays bf16; q/k/v and gate/up fused, its default); w4a16+rmsnorm: plus kernels.kernelize "
                "(Mode.INFERENCE) with LocalLayerRepository on the built rmsnorm kernel for RMSNorm",
     "tokens_per_s": "batch 1, greedy; one decode step (forward + argmax fed back) captured in a torch.cuda.CUDAGraph "
                     "over a transformers StaticCache; positions reset to the prompt length, then `steps` replays "
