@@ -10,9 +10,9 @@ prediction for the given token ids.
 """
 
 import argparse
+import contextlib
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -20,18 +20,21 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_w4a16(org: str):
-    import kernels
-
+@contextlib.contextmanager
+def w4a16_kernel(org: str):
+    """The w4a16 module from the hub, or from a local build that lasts as long as the block."""
     if os.environ.get("HF_ENDPOINT"):
+        import kernels
+
         repo = f"{org}/w4a16"
-        return kernels.get_kernel(repo, version=1, trust_remote_code=[repo])
+        yield kernels.get_kernel(repo, version=1, trust_remote_code=[repo])
+        return
     sys.path.insert(0, str(ROOT))
-    from hubtools.build import build_kernel
+    from hubtools.build import loaded_kernel
     from hubtools.workspace import Workspace
 
-    built = build_kernel(Workspace.load(ROOT).kernel("w4a16"), Path(tempfile.mkdtemp()))
-    return kernels.get_local_kernel(built / "build")
+    with loaded_kernel(Workspace.load(ROOT).kernel("w4a16")) as module:
+        yield module
 
 
 def main() -> None:
@@ -43,19 +46,19 @@ def main() -> None:
     parser.add_argument("--org", default="triton-llm")
     args = parser.parse_args()
 
-    w4a16 = load_w4a16(args.org)
-    # The one call: reads quantization_config, builds the transformers model with its weights on the meta
-    # device, swaps each quantized nn.Linear for a W4A16Linear and loads every other tensor.
-    model = w4a16.from_pretrained(args.folder, dtype=getattr(torch, args.dtype), device=args.device)
+    with w4a16_kernel(args.org) as w4a16:
+        # The one call: reads quantization_config, builds the transformers model with its weights on the meta
+        # device, swaps each quantized nn.Linear for a W4A16Linear and loads every other tensor.
+        model = w4a16.from_pretrained(args.folder, dtype=getattr(torch, args.dtype), device=args.device)
 
-    quantized = [name for name, m in model.named_modules() if isinstance(m, w4a16.W4A16Linear)]
-    dense = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    print(f"{args.folder}: {len(quantized)} linear layers in 4 bits, {len(dense)} left dense ({', '.join(dense)})")
-    ids = torch.tensor([[int(t) for t in args.tokens.split(",")]], device=args.device)
-    with torch.no_grad():
-        logits = model(ids).logits
-    top = torch.topk(logits[0, -1].float().softmax(-1), 3)
-    print("next token:", ", ".join(f"{i} ({p:.3f})" for p, i in zip(top.values.tolist(), top.indices.tolist())))
+        quantized = [name for name, m in model.named_modules() if isinstance(m, w4a16.W4A16Linear)]
+        dense = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        print(f"{args.folder}: {len(quantized)} linear layers in 4 bits, {len(dense)} left dense ({', '.join(dense)})")
+        ids = torch.tensor([[int(t) for t in args.tokens.split(",")]], device=args.device)
+        with torch.no_grad():
+            logits = model(ids).logits
+        top = torch.topk(logits[0, -1].float().softmax(-1), 3)
+        print("next token:", ", ".join(f"{i} ({p:.3f})" for p, i in zip(top.values.tolist(), top.indices.tolist())))
 
 
 if __name__ == "__main__":

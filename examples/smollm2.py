@@ -47,8 +47,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hubtools.bench.timing import environment  # noqa: E402
-from hubtools.build import build_kernel  # noqa: E402
+from hubtools.measure import environment  # noqa: E402
+from hubtools.build import build_kernel, load_build  # noqa: E402
 from hubtools.e2e.norms import kernelize_rmsnorm  # noqa: E402
 from hubtools.workspace import Workspace  # noqa: E402
 
@@ -194,7 +194,7 @@ def load_kernels(source: str, org: str, build_dir: Path):
         rmsnorm_dir = build_kernel(workspace.kernel("rmsnorm"), build_dir)
         w4a16_dir = build_kernel(workspace.kernel("w4a16"), build_dir)
         rmsnorm_layer = kernels.LocalLayerRepository(repo_path=rmsnorm_dir, layer_name="RMSNorm")
-        w4a16 = kernels.get_local_kernel(w4a16_dir / "build")
+        w4a16 = load_build(w4a16_dir)
         where = "local build of this checkout (hubtools.build.build_kernel)"
     return rmsnorm_layer, w4a16, {"source": source, "where": where, "w4a16_module": w4a16.__name__}
 

@@ -14,6 +14,7 @@ byte-identical output (no timestamps, sorted keys).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +22,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Iterator
 
 from .workspace import KernelProject
 
@@ -154,3 +157,19 @@ def build_kernel(project: KernelProject, out: Path, *, state: SourceState | None
     if card.exists():
         shutil.copyfile(card, dest / "README.md")
     return dest
+
+
+def load_build(built: Path) -> ModuleType:
+    """The kernel module of a folder `build_kernel` returned, imported the way the Hub loads a kernel
+    (`kernels.get_local_kernel` picks the variant for the running torch)."""
+    import kernels
+
+    return kernels.get_local_kernel(built / "build")
+
+
+@contextlib.contextmanager
+def loaded_kernel(project: KernelProject) -> Iterator[ModuleType]:
+    """Build `project` into a temporary folder and yield its loaded module; the folder goes on exit, so
+    use the module inside the block (lazily imported submodules are read from that folder)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        yield load_build(build_kernel(project, Path(tmp)))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hubtools.bench.cli import report_main  # noqa: E402
+from hubtools.report import report_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(report_main())

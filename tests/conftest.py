@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 # The interpreter needs TRITON_INTERPRET=1 before triton is imported; on a GPU machine it stays unset.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
-from hubtools.build import build_kernel  # noqa: E402
+from hubtools.build import build_kernel, load_build  # noqa: E402
 from hubtools.workspace import Workspace  # noqa: E402
 
 
@@ -46,13 +46,11 @@ def built_kernel_dir(workspace, tmp_path_factory):
 @pytest.fixture(scope="session")
 def load_kernel(built_kernel_dir):
     """`load_kernel("rmsnorm")` -> the kernel module, imported from its build by kernels.get_local_kernel."""
-    import kernels
-
     loaded = {}
 
     def get(name: str):
         if name not in loaded:
-            loaded[name] = kernels.get_local_kernel(built_kernel_dir(name) / "build")
+            loaded[name] = load_build(built_kernel_dir(name))
         return loaded[name]
 
     return get

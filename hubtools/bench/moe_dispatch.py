@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .timing import (
+from ..measure import (
     environment,
     measure_copy_bandwidth,
     measure_matmul_flops,

@@ -7,7 +7,7 @@
 BUILD_DIR is a built kernel (`scripts/publish.py --build-only --out X moe-dispatch` -> X/moe-dispatch/build).
 `--compile-only` runs shard I of N of the candidate calls once, to fill Triton's disk cache from several
 processes at a time; the timing run then finds every kernel compiled. Timing follows
-hubtools/bench/timing.py (CUDA-graph replay, two rotated copies of the layer so weights stream from
+hubtools/measure.py (CUDA-graph replay, two rotated copies of the layer so weights stream from
 HBM). Writes DIR/tune-results.json (every measurement) and DIR/configs/E=..,H=..,I=..,dtype=bfloat16.json
 (the fastest config per token count); `--configs-from` redoes that last step from a saved results file.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .moe_dispatch import MODELS, Model, graph_seconds, make_layers
-from .timing import warm_clocks
+from ..measure import warm_clocks
 
 COPIES = 2  # rotated layer copies per timed problem
 

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .timing import environment, measure_copy_bandwidth, measure_matmul_flops, rotation_count, time_graph, warm_clocks
+from ..measure import environment, measure_copy_bandwidth, measure_matmul_flops, rotation_count, time_graph, warm_clocks
 
 HIDDEN = (2048, 4096, 7168, 8192, 16384)
 ROWS = (1, 16, 128, 4096, 16384)
@@ -345,21 +345,14 @@ def format_configs(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _load_built_kernel(build_dir):
-    import kernels
-
-    from ..build import build_kernel
-    from ..workspace import Workspace
-
-    return kernels.get_local_kernel(build_kernel(Workspace.load().kernel("rmsnorm"), build_dir) / "build")
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m hubtools.bench.rmsnorm tune` rewrites the kernel's configs.json from a sweep;
     `python -m hubtools.bench.rmsnorm run --out FILE [--goal-sizes]` writes results as cases finish."""
     import argparse
     import pathlib
-    import tempfile
+
+    from ..build import loaded_kernel
+    from ..workspace import Workspace
 
     parser = argparse.ArgumentParser(prog="python -m hubtools.bench.rmsnorm")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -369,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--out", type=pathlib.Path, required=True)
     run_parser.add_argument("--goal-sizes", action="store_true", help=f"only M >= {GOAL_ROWS} and backward")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        kernel = _load_built_kernel(pathlib.Path(tmp))
+    with loaded_kernel(Workspace.load().kernel("rmsnorm")) as kernel:
         if args.command == "tune":
             tuned = tune(kernel)
             source = pathlib.Path(__file__).resolve().parents[2] / "rmsnorm" / "torch-ext" / "rmsnorm" / "configs.json"
@@ -391,9 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         progress_results = run(kernel, rows=rows, progress=progress)
         progress_results["env"]["command"] = "python -m hubtools.bench.rmsnorm run" + (" --goal-sizes" if args.goal_sizes else "")
         args.out.write_text(json.dumps(progress_results, indent=1) + "\n")
-        from .report import goals_summary
-
-        print(goals_summary(goals(progress_results)))
+        goal_list = goals(progress_results)
+        print(f"{sum(g['met'] for g in goal_list)} of {len(goal_list)} goals met")
     return 0
 
 

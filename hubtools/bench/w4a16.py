@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .timing import environment, measure_copy_bandwidth, measure_matmul_flops, rotation_count, time_graph, warm_clocks
+from ..measure import environment, measure_copy_bandwidth, measure_matmul_flops, rotation_count, time_graph, warm_clocks
 
 SHAPES = (  # (label, K, N)
     ("L3-8B qkv", 4096, 6144),
@@ -713,12 +713,9 @@ def main(argv: list[str] | None = None) -> int:
     kernel, run `tune`, and write the launch table (``shapes``) with every trial and the environment."""
     import argparse
     import json
-    import tempfile
     from pathlib import Path
 
-    import kernels
-
-    from ..build import build_kernel
+    from ..build import loaded_kernel
     from ..workspace import Workspace
 
     parser = argparse.ArgumentParser(prog="python -m hubtools.bench.w4a16", description=main.__doc__)
@@ -748,8 +745,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown --shapes {sorted(set(args.shapes) - known)}; known: {sorted(known)}")
     project = Workspace.load().kernel("w4a16")
     if args.decode_run:
-        with tempfile.TemporaryDirectory() as tmp:
-            module = kernels.get_local_kernel(build_kernel(project, Path(tmp)) / "build")
+        with loaded_kernel(project) as module:
             results = run(module, shapes=SHAPES + QWEN_SHAPES, tokens=(1,), bf16_shapes=())
         results["env"]["command"] = "python -m hubtools.bench.w4a16 --decode-run --out " + str(args.out)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
@@ -758,8 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_decode:
         every = SHAPES + QWEN_SHAPES + OTHER_SHAPES
         chosen = every if args.shapes is None else tuple(s for s in every if s[0] in args.shapes)
-        with tempfile.TemporaryDirectory() as tmp:
-            module = kernels.get_local_kernel(build_kernel(project, Path(tmp)) / "build")
+        with loaded_kernel(project) as module:
             compared = compare_decode(module, shapes=chosen, tokens=tuple(args.tokens), out_path=args.out,
                                       fmt=args.fmt, group=args.group,
                                       variants=None if args.variants is None else json.loads(args.variants))
@@ -771,14 +766,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.table}")
         return 0
     if args.compare_gemv:
-        with tempfile.TemporaryDirectory() as tmp:
-            module = kernels.get_local_kernel(build_kernel(project, Path(tmp)) / "build")
+        with loaded_kernel(project) as module:
             compared = compare_gemv(module, out_dir=args.out.parent)
         args.out.write_text(json.dumps(compared, indent=1) + "\n")
         print(f"wrote {args.out}")
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        module = kernels.get_local_kernel(build_kernel(project, Path(tmp)) / "build")
+    with loaded_kernel(project) as module:
         tuned = tune(module, [s for s in SHAPES if args.shapes is None or s[0] in args.shapes], tuple(args.tokens))
     code = tuned.pop("code")
     env = environment()

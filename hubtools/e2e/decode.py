@@ -48,7 +48,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..bench.timing import environment
+from ..measure import environment
 from ..workspace import REPO_ROOT
 from .norms import kernelize_rmsnorm
 
@@ -109,15 +109,13 @@ class Kernels:
 
 def load_kernels(tmp: Path) -> Kernels:
     """Build w4a16 and rmsnorm with the real builder into `tmp` and load them as the Hub would."""
-    import kernels
-
-    from ..build import build_kernel
+    from ..build import build_kernel, load_build
     from ..workspace import Workspace
 
     workspace = Workspace.load()
     w4a16_dir = build_kernel(workspace.kernel("w4a16"), tmp)
     rmsnorm_dir = build_kernel(workspace.kernel("rmsnorm"), tmp)
-    return Kernels(w4a16=kernels.get_local_kernel(w4a16_dir / "build"), rmsnorm_dir=rmsnorm_dir)
+    return Kernels(w4a16=load_build(w4a16_dir), rmsnorm_dir=rmsnorm_dir)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -645,7 +643,7 @@ METHOD = {
              "it (static buffer of cache_len read, repeat_kv copy written and read); ideal = every matrix incl. "
              "lm_head at 4 bits + group-128 bf16 scales, KV read once at the mean timed context",
     "ceilings": "ceiling tokens/s = copy_bandwidth / bytes; copy bandwidth: eager 1 GiB device copy with events, "
-                "read + write counted (hubtools.bench.timing.measure_copy_bandwidth), same run",
+                "read + write counted (hubtools.measure.measure_copy_bandwidth), same run",
     "correctness": "every config decodes from the bf16 prefill's greedy token; free-running greedy tokens compared "
                    "with bf16's, and a teacher-forced pass (bf16 tokens fed back) compared by logits relative error "
                    "and top-1 agreement. Random-weight logits are nearly flat, so int4 noise flips near-ties: "
@@ -690,7 +688,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     copy_bw = None
     if args.device == "cuda":
-        from ..bench.timing import measure_copy_bandwidth, warm_clocks
+        from ..measure import measure_copy_bandwidth, warm_clocks
 
         warm_clocks()
         copy_bw = measure_copy_bandwidth()

@@ -1,4 +1,5 @@
-"""The measurement protocol shared by every kernel benchmark (see CONTRIBUTING.md).
+"""The measurement protocol shared by the kernel benchmarks (bench/) and the whole-model runs (e2e/,
+examples/smollm2.py); see CONTRIBUTING.md.
 
 - Device ceilings are measured in the same run: copy bandwidth eagerly with events (a copy captured
   in a CUDA graph runs on the copy engines and under-reads the ceiling), bf16 matmul FLOP/s.

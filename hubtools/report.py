@@ -2,17 +2,25 @@
 
 A kernel results file (written by scripts/bench.py) holds the environment stamp, the ceilings measured in
 the same run and one row per (case, implementation). Goals are evaluated here, from the rows, by the
-kernel's bench module (`hubtools.bench.<python_name>.goals`), so every number on a page comes from a
-measurement and re-rendering never needs the GPU.
+functions registered below: each kernel's bench module (`hubtools.bench.BENCHMARKS`), the decode run's
+(`hubtools.e2e.decode.goals`) and SmolLM2's (`smollm2_goals`), so every number on a page comes from a
+measurement and re-rendering never needs the GPU. `report_main` is the entry point behind scripts/report.py.
 """
 
 from __future__ import annotations
 
-import importlib
+import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+from .bench import BENCHMARKS
+from .e2e.decode import goals as decode_goals
+from .workspace import REPO_ROOT, Workspace
+
+DOCS = REPO_ROOT / "docs" / "benchmarks"
 
 
 def _fmt(value: float, digits: int = 2) -> str:
@@ -26,8 +34,7 @@ def stamp(env: dict) -> str:
 
 def goals(results: dict) -> list[dict]:
     """[{goal, case, value, target, met}] computed from the rows by the kernel's bench module."""
-    module = importlib.import_module(f"hubtools.bench.{results['kernel'].replace('-', '_')}")
-    return module.goals(results)
+    return BENCHMARKS[results["kernel"]].goals(results)
 
 
 def goals_summary(goal_list: list[dict]) -> str:
@@ -377,3 +384,45 @@ def smollm2_goals(results: dict) -> list[dict]:
 def load(path: Path) -> dict:
     """A results file, with "name" set from its file name (<name>-results.json)."""
     return {**json.loads(path.read_text()), "name": path.name.removesuffix("-results.json")}
+
+
+def report_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="report.py",
+        description="docs/benchmarks/<kernel>-results.json -> docs/benchmarks/<kernel>.md + PNG, docs/RESULTS.md, "
+                    "and the headline table in README.md.")
+    parser.parse_args(argv)
+
+    workspace = Workspace.load()
+    # <kernel>-results.json is the full benchmark; <kernel>-<run>-results.json files are narrower later runs.
+    all_results = []
+    for name in workspace.members:
+        paths = sorted(DOCS.glob(f"{name}*-results.json"), key=lambda p: (p.name != f"{name}-results.json", p.name))
+        all_results += [r for r in map(load, paths) if r.get("kernel") == name]
+    if not all_results:
+        print("no results files; run scripts/bench.py on a GPU first", file=sys.stderr)
+        return 1
+    for results in all_results:
+        print(f"wrote {write_kernel_page(results, DOCS)}")
+    plot = DOCS / "package-roofline.png"
+    package_plot(all_results, plot)
+    sections, e2e_goals = [], {}
+    decode_file = DOCS / "e2e-decode-results.json"
+    if decode_file.exists():
+        decode = load(decode_file)
+        decode_png = DOCS / "e2e-decode.png"
+        decode_plot(decode, decode_png)
+        e2e_goals["decode (e2e)"] = decode_goals(decode)
+        sections += decode_section(decode, e2e_goals["decode (e2e)"], f"benchmarks/{decode_png.name}")
+    for smollm2_file in sorted(DOCS.glob("e2e-smollm2-*results.json")):
+        smollm2 = load(smollm2_file)
+        e2e_goals[f"SmolLM2 (e2e, {smollm2['env']['gpu']})"] = smollm2_goals(smollm2)
+        sections += smollm2_section(smollm2)
+    page = REPO_ROOT / "docs" / "RESULTS.md"
+    page.write_text(package_page(all_results, sections, f"benchmarks/{plot.name}", e2e_goals))
+    print(f"wrote {page}")
+    readme = REPO_ROOT / "README.md"
+    headline = headline_table(all_results, "docs/benchmarks", e2e_goals)
+    readme.write_text(replace_marked(readme.read_text(), "results", headline))
+    print(f"updated the headline table in {readme}")
+    return 0
