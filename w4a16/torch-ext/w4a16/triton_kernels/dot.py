@@ -161,7 +161,14 @@ def _dot_kernel(
             zero = tl.load(z_ptr + rows).to(tl.float32)[:, None]
     tables = 0
     if NF4_TABLES and not EMULATE:
-        tables = _nf4_tables(cb_ptr, False)
+        # Tables loaded as row vectors (every row the same values) rather than as scalars: a scalar broadcast into
+        # the lookup stops Triton from building the operand in the MMA's layout, and the 16 KB tile then crosses
+        # shared memory (1.1-1.3x slower, docs/design/w4a16.md E9). Not on 256-token tiles, where split-K
+        # partials came out wrong with them on the H200 (Triton 3.6).
+        if BLOCK_M <= 64:
+            tables = _nf4_tables(cb_ptr + rows[:, None] * 0, False)
+        else:
+            tables = _nf4_tables(cb_ptr, False)
     if UPCAST:
         dot_dtype = tl.float32
     elif X_DESC:
