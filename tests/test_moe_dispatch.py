@@ -352,3 +352,20 @@ def test_transformers_kernelize_layer(k, path, built_kernel_dir):
     assert type(model.model.layers[0].mlp.experts).forward is not model.model.layers[0].mlp.experts.forward
     # bf16 model: the eager experts round at other places than the kernel (index_add_ in bf16)
     assert (ours - eager).norm() <= 2e-2 * eager.norm()
+
+
+def test_tuned_configs_apply_only_to_their_gpu(k, monkeypatch, caplog):
+    """The H200 tables are read on an H200 only; another GPU takes the heuristic and says so once."""
+    pytest.importorskip("triton")
+    tk, cuda, shape = k.ops.triton_kernels, torch.device("cuda", 0), (8, 4096, 14336)
+    tk._note_heuristic.cache_clear()
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tk, "_device_name", lambda device: "NVIDIA H200")
+    tuned = tk._tuned_configs(*shape, torch.bfloat16, "NVIDIA H200")[1]
+    assert tk.get_config(1, *shape, 2, torch.bfloat16, cuda) == tuned
+    monkeypatch.setattr(tk, "_device_name", lambda device: "Some Other GPU")
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert tk.get_config(1, *shape, 2, torch.bfloat16, cuda) == tk.default_config(1, *shape, 2, cuda)
+    messages = [r.getMessage() for r in caplog.records if "no tuned decode config" in r.getMessage()]
+    assert len(messages) == 1 and "some-other-gpu.json" in messages[0]

@@ -331,3 +331,19 @@ def test_layers_match_transformers_modules(k, path, dtype):
     got = MethodType(k.layers.RMSNormZeroCentered.forward, gemma)(x)
     assert got.dtype == gemma(x).dtype
     assert_close(got, gemma(x), dtype)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs triton with TRITON_INTERPRET=1")
+def test_launch_tables_apply_only_to_their_gpu(k, monkeypatch, caplog):
+    """configs/nvidia-h200.json is read on an H200 only; another GPU takes the heuristic and says so once."""
+    tk, cuda = k.ops.triton_kernels, torch.device("cuda", 0)
+    tk._note_heuristic.cache_clear()
+    monkeypatch.setattr(tk, "_device_name", lambda device: "NVIDIA H200")
+    tuned = tk.tuned_table("NVIDIA H200")["forward"]["4096"]
+    assert tk.launch_config("forward", 4096, cuda) == {"looped": False, "block": 4096, **tuned}
+    monkeypatch.setattr(tk, "_device_name", lambda device: "Some Other GPU")
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert tk.launch_config("forward", 4096, cuda) == tk.heuristic_config("forward", 4096)
+    messages = [r.getMessage() for r in caplog.records if "no tuned forward launch" in r.getMessage()]
+    assert len(messages) == 1 and "no configs/some-other-gpu.json" in messages[0]

@@ -1,15 +1,16 @@
 """Measure block-size candidates on a GPU and write the tuned configs the package ships.
 
     python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --out DIR [--compile-only --shard I/N]
-    python -m hubtools.bench.moe_dispatch_tune --configs-from docs/benchmarks/moe-dispatch-tune.json \
-        --out moe-dispatch/torch-ext/moe_dispatch
+    python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --configs-from docs/benchmarks/moe-dispatch-tune.json \
+        --device "NVIDIA H200" --out moe-dispatch/torch-ext/moe_dispatch
 
 BUILD_DIR is a built kernel (`scripts/publish.py --build-only --out X moe-dispatch` -> X/moe-dispatch/build).
 `--compile-only` runs shard I of N of the candidate calls once, to fill Triton's disk cache from several
 processes at a time; the timing run then finds every kernel compiled. Timing follows
 hubtools/measure.py (CUDA-graph replay, two rotated copies of the layer so weights stream from
-HBM). Writes DIR/tune-results.json (every measurement) and DIR/configs/E=..,H=..,I=..,dtype=bfloat16.json
-(the fastest config per token count); `--configs-from` redoes that last step from a saved results file.
+HBM). Writes DIR/tune-results.json (every measurement) and DIR/configs/E=..,H=..,I=..,dtype=bfloat16,device=<gpu>.json
+(the fastest config per token count, with the command and versions of the run); `--configs-from` redoes that
+last step from a saved results file, for the GPU named by --device.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .moe_dispatch import MODELS, Model, graph_seconds, make_layers
-from ..measure import warm_clocks
+from ..measure import environment, warm_clocks
 
 COPIES = 2  # rotated layer copies per timed problem
 
@@ -164,12 +165,14 @@ def best_configs(results: list[dict]) -> dict[str, dict[int, dict]]:
     return best
 
 
-def write_configs(results: list[dict], directory: Path) -> None:
+def write_configs(tk, results: list[dict], directory: Path, device_name: str, run: dict) -> None:
+    """One table per model, named as the kernel looks it up (`tk.config_path`), with `run` as provenance."""
     directory.mkdir(parents=True, exist_ok=True)
     for name, per_t in best_configs(results).items():
         m = MODELS[name]
-        path = directory / f"E={m.experts},H={m.hidden},I={m.intermediate},dtype=bfloat16.json"
-        path.write_text(json.dumps({str(t): c for t, c in sorted(per_t.items())}, indent=1) + "\n")
+        path = directory / tk.config_path(m.experts, m.hidden, m.intermediate, torch.bfloat16, device_name).name
+        table = {"device": device_name, "measured": [run], "tokens": {str(t): c for t, c in sorted(per_t.items())}}
+        path.write_text(json.dumps(table, indent=1) + "\n")
 
 
 def main() -> None:
@@ -177,17 +180,22 @@ def main() -> None:
     parser.add_argument("build", type=Path, nargs="?")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--configs-from", type=Path, help="a saved tune-results.json: only write the configs")
+    parser.add_argument("--device", help="with --configs-from: the GPU it was measured on, e.g. 'NVIDIA H200'")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--shard", default="0/1", help="I/N: this process's share of --compile-only")
     args = parser.parse_args()
-    if args.configs_from:
-        write_configs(json.loads(args.configs_from.read_text()), args.out / "configs")
-        return
+    if args.configs_from and not args.device:
+        parser.error("--configs-from needs --device")
 
     import kernels
 
     tk = kernels.get_local_kernel(args.build).ops.triton_kernels
+    env = environment()
+    if args.configs_from:  # the file holds times only: the measuring run's versions are not known here
+        write_configs(tk, json.loads(args.configs_from.read_text()), args.out / "configs", args.device,
+                      {k: env[k] for k in ("command", "date")})
+        return
     if args.compile_only:
         shard, shards = map(int, args.shard.split("/"))
         compile_shard(tk, args.models, shard, shards)
@@ -195,7 +203,8 @@ def main() -> None:
         results = tune(tk, args.models)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tune-results.json").write_text(json.dumps(results, indent=1) + "\n")
-        write_configs(results, args.out / "configs")
+        write_configs(tk, results, args.out / "configs", env["gpu"],
+                      {k: env[k] for k in ("command", "date", "torch", "triton", "cuda")})
 
 
 if __name__ == "__main__":

@@ -8,13 +8,13 @@ read x (+ residual) and the weight, write y (+ x + residual); backward reads x, 
 writes dx and dw.
 
 `tune(kernel)`: times the candidate launch shapes of `TUNE_SPACE` / `BACKWARD_TUNE_SPACE` through the
-kernel's launchers on the benchmark's goal shapes and returns the table the kernel ships as
-`configs.json` (per row block, the candidate with the least time relative to the best on each shape).
+kernel's launchers on the benchmark's goal shapes and returns the table the kernel ships for this GPU as
+`configs/<gpu>.json` (per row block, the candidate with the least time relative to the best on each shape;
+row blocks outside the sweep are left to the kernel's heuristic).
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 from typing import Callable
 
@@ -267,10 +267,12 @@ def _pick(timed: list[tuple[list[float], dict]]) -> dict:
 
 
 def tune(kernel_module) -> dict:
-    """The launch table (configs.json) with each single-block entry of TUNE_SPACE / BACKWARD_TUNE_SPACE
-    replaced by its best candidate, timed through the kernel's launchers on each of `tune_problems`."""
+    """This GPU's launch table (configs/<gpu>.json) with each single-block entry of TUNE_SPACE /
+    BACKWARD_TUNE_SPACE set to its best candidate, timed through the kernel's launchers on each of
+    `tune_problems`, and the run appended to its provenance."""
     launchers = kernel_module.ops.triton_kernels
-    table = json.loads(json.dumps(launchers._CONFIGS))
+    gpu = torch.cuda.get_device_name()
+    table = json.loads(json.dumps(launchers.tuned_table(gpu))) or {"measured": []}
     torch.manual_seed(0)
     warm_clocks()
     log = []
@@ -288,14 +290,14 @@ def tune(kernel_module) -> dict:
                     check(f"tune {kind} {cfg}")
                 del launch, check
                 torch.cuda.empty_cache()
-            table[kind][str(block)] = _pick(timed)
+            table.setdefault(kind, {})[str(block)] = _pick(timed)
             log.append({"kind": kind, "block": block, "problems": tune_problems(block),
                         "candidates": [{**c, "us": [t * 1e6 for t in times]} for times, c in timed]})
-    gpu = torch.cuda.get_device_name()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    table["source"] = (f"python -m hubtools.bench.rmsnorm tune on {gpu}, {date}, bf16, H in {HIDDEN} (or the block) "
-                       f"x M in {TUNE_ROWS}; "
-                       "entries outside its sweep keep the heuristic (16 elements per thread forward, 8 backward)")
+    env = environment(["-m", "hubtools.bench.rmsnorm", "tune"])
+    table["device"] = gpu
+    table["measured"].append({"command": env["command"], "date": env["date"],
+                              "problems": f"bf16, H in {HIDDEN} (or the row block) x M in {TUNE_ROWS}",
+                              **{k: env[k] for k in ("torch", "triton", "cuda")}})
     return {"table": table, "log": log}
 
 
@@ -334,19 +336,17 @@ def _tune_problem(launchers, kind: str, h: int, m: int):
 
 
 def format_configs(table: dict) -> str:
-    """configs.json text: one line per entry, so diffs of a re-tune stay readable."""
-    lines = ["{", f' "source": {json.dumps(table["source"])},']
-    sections = [key for key in table if key != "source"]
-    for i, key in enumerate(sections):
-        entries = table[key]
-        body = ",\n".join(f'  {json.dumps(name)}: {json.dumps(entry)}' for name, entry in entries.items())
-        lines.append(f' {json.dumps(key)}: {{\n{body}\n }}' + ("," if i < len(sections) - 1 else ""))
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    """configs/<gpu>.json text: one line per run and per entry, so diffs of a re-tune stay readable."""
+    measured = ",\n".join(f"  {json.dumps(run)}" for run in table["measured"])
+    parts = [f' "device": {json.dumps(table["device"])}', f' "measured": [\n{measured}\n ]']
+    for kind in ("forward", "fused_add", "backward"):
+        body = ",\n".join(f"  {json.dumps(block)}: {json.dumps(entry)}" for block, entry in table[kind].items())
+        parts.append(f" {json.dumps(kind)}: {{\n{body}\n }}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hubtools.bench.rmsnorm tune` rewrites the kernel's configs.json from a sweep;
+    """`python -m hubtools.bench.rmsnorm tune` rewrites this GPU's configs/<gpu>.json from a sweep;
     `python -m hubtools.bench.rmsnorm run --out FILE [--goal-sizes]` writes results as cases finish."""
     import argparse
     import pathlib
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m hubtools.bench.rmsnorm")
     sub = parser.add_subparsers(dest="command", required=True)
-    tune_parser = sub.add_parser("tune", help="sweep launch shapes, rewrite configs.json")
+    tune_parser = sub.add_parser("tune", help="sweep launch shapes, rewrite configs/<gpu>.json")
     tune_parser.add_argument("--log", type=pathlib.Path, help="also write every candidate's time here")
     run_parser = sub.add_parser("run", help="benchmark cases and baselines")
     run_parser.add_argument("--out", type=pathlib.Path, required=True)
@@ -365,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     with loaded_kernel(Workspace.load().kernel("rmsnorm")) as kernel:
         if args.command == "tune":
             tuned = tune(kernel)
-            source = pathlib.Path(__file__).resolve().parents[2] / "rmsnorm" / "torch-ext" / "rmsnorm" / "configs.json"
+            # The table goes into the source tree, under the name the kernel looks it up by.
+            name = kernel.ops.triton_kernels.config_path(tuned["table"]["device"]).name
+            source = Workspace.load().kernel("rmsnorm").package_dir / "configs" / name
             source.write_text(format_configs(tuned["table"]))
             if args.log:
                 args.log.write_text(json.dumps(tuned["log"], indent=1) + "\n")

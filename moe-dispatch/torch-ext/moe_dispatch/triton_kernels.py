@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import triton.language as tl
 DECODE_MAX_TOKENS = 16  # up to this many tokens one 16-row tile holds them all: the decode kernels run
 CHUNK_TOKENS = 64  # tokens per routing chunk; the sort places one chunk per program
 CONFIG_DIR = Path(__file__).parent / "configs"
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -450,12 +452,39 @@ def _down_decode_kernel(
 # ----------------------------------------------------------------------------------------------------
 
 
+def config_path(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device_name: str) -> Path:
+    """configs/E=..,H=..,I=..,dtype=..,device=<gpu>.json: the layer's shape, then the GPU's name in lower case
+    with dashes ("NVIDIA H200" -> nvidia-h200), so a table applies only to the GPU it was measured on."""
+    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
+    dtype_name = str(dtype).removeprefix("torch.")
+    return CONFIG_DIR / f"E={num_experts},H={hidden},I={intermediate},dtype={dtype_name},device={slug}.json"
+
+
 @functools.cache
-def _tuned_configs(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> dict[int, dict]:
-    path = CONFIG_DIR / f"E={num_experts},H={hidden},I={intermediate},dtype={str(dtype).removeprefix('torch.')}.json"
+def _tuned_configs(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                   device_name: str) -> dict[int, dict]:
+    """{token count: config} of the layer's table for this GPU ({} without one); the file also holds its
+    "device" and "measured" (provenance)."""
+    path = config_path(num_experts, hidden, intermediate, dtype, device_name)
     if not path.exists():
         return {}
-    return {int(tokens): config for tokens, config in json.loads(path.read_text()).items()}
+    return {int(tokens): config for tokens, config in json.loads(path.read_text())["tokens"].items()}
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str | None:
+    """The GPU's name; None for CPU tensors (the Triton interpreter), which take the heuristic silently."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+@functools.cache
+def _note_heuristic(device_name: str, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                    decode: bool) -> None:
+    """Say once per GPU, layer shape and side of the decode cut that no tuned config exists."""
+    path = config_path(num_experts, hidden, intermediate, dtype, device_name)
+    logger.warning("moe-dispatch: no tuned %s config for E=%d, H=%d, I=%d, %s on %s (%s configs/%s); using the "
+                   "heuristic", "decode" if decode else "grouped", num_experts, hidden, intermediate, dtype,
+                   device_name, "in" if path.exists() else "no", path.name)
 
 
 @functools.cache
@@ -503,12 +532,16 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
 
 def get_config(tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int,
                dtype: torch.dtype, device: torch.device) -> dict:
-    """The tuned config of the nearest token count on the same side of the decode cut, else the heuristic."""
+    """The tuned config of this GPU's table at the nearest token count on the same side of the decode cut,
+    else the heuristic (said once in a warning on a GPU)."""
     decode = tokens <= DECODE_MAX_TOKENS
-    tuned = {t: c for t, c in _tuned_configs(num_experts, hidden, intermediate, dtype).items()
-             if (t <= DECODE_MAX_TOKENS) == decode}
+    name = _device_name(device)
+    table = _tuned_configs(num_experts, hidden, intermediate, dtype, name) if name else {}
+    tuned = {t: c for t, c in table.items() if (t <= DECODE_MAX_TOKENS) == decode}
     if tuned:
         return tuned[min(tuned, key=lambda t: (abs(t - tokens), t))]
+    if name:
+        _note_heuristic(name, num_experts, hidden, intermediate, dtype, decode)
     return default_config(tokens, num_experts, hidden, intermediate, top_k, device)
 
 

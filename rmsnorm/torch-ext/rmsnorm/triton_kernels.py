@@ -3,22 +3,29 @@
 Every tensor handed to a launcher is a 2-D row view `[rows, cols]` whose columns are contiguous; row
 strides are passed explicitly, so strided views (e.g. a slice of a fused QKV output) need no copy.
 
-Launch shapes come from `configs.json` beside this file, indexed by the row block (the next power of two
-of the hidden size). The table was measured with `hubtools/bench/rmsnorm.py:tune`; nothing is
-autotuned at import or call time.
+Launch shapes come from the table of the running GPU, `configs/<gpu>.json` beside this file (measured with
+`python -m hubtools.bench.rmsnorm tune`), indexed by the row block (the next power of two of the hidden
+size); a row block the table lacks, and every GPU without a table, take `heuristic_config`, said once per
+GPU, kind and block in a warning. Nothing is autotuned at import or call time.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import pathlib
 
 import torch
 import triton
 import triton.language as tl
 
-_CONFIGS = json.loads(pathlib.Path(__file__).with_name("configs.json").read_text())
+logger = logging.getLogger(__name__)
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
+# The widest row block one program holds in registers; wider rows take the two-pass (looped) kernels.
+_MAX_BLOCK = {"forward": 32768, "fused_add": 32768, "backward": 16384}
+_LOOPED = {"forward": {"block": 8192, "num_warps": 16}, "fused_add": {"block": 8192, "num_warps": 16},
+           "backward": {"block": 4096, "num_warps": 16, "programs_per_sm": 1}}
 # Programs per launch for backward on a device without SMs (the Triton interpreter on CPU tensors).
 _INTERPRETER_PROGRAMS = 4
 
@@ -278,15 +285,59 @@ def _row_block(n_cols: int) -> int:
     return triton.next_power_of_2(n_cols)
 
 
-def launch_config(kind: str, n_cols: int) -> dict:
-    """The tuned launch for `kind` ('forward', 'fused_add' or 'backward') at this hidden size:
-    `{"looped": False, "block", "rows", "num_warps"[, "programs_per_sm"]}` from the single-block table
-    when the row fits one, else the looped entry with `"looped": True`."""
+def config_path(device_name: str) -> pathlib.Path:
+    """configs/<gpu>.json, the GPU's name in lower case with dashes ("NVIDIA H200" -> nvidia-h200.json)."""
+    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
+    return CONFIG_DIR / f"{slug}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_table(device_name: str) -> dict:
+    """The GPU's table: {"device", "measured": [provenance], kind: {row block: launch}}, or {} without one."""
+    path = config_path(device_name)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def heuristic_config(kind: str, block: int) -> dict:
+    """A launch from the row block alone: 16 elements per thread forward (8 backward), several rows per
+    program while a row is shorter than a 2048-element (1024) tile, 1 to 32 warps; the looped kernels above
+    `_MAX_BLOCK`."""
+    if block > _MAX_BLOCK[kind]:
+        return {"looped": True, **_LOOPED[kind]}
+    per_thread = 8 if kind == "backward" else 16
+    rows = max(1, min(64, 128 * per_thread // block))
+    launch = {"rows": rows, "num_warps": max(1, min(32, rows * block // (32 * per_thread)))}
+    launch.update({"programs_per_sm": 2} if kind == "backward" else {"evict_first": True})
+    return {"looped": False, "block": block, **launch}
+
+
+@functools.lru_cache(maxsize=None)
+def _note_heuristic(device_name: str, kind: str, block: int) -> None:
+    """Say once per GPU, kind and row block that no tuned entry exists (the launch is `heuristic_config`'s)."""
+    path = config_path(device_name)
+    where = f"configs/{path.name}" if tuned_table(device_name) else f"no configs/{path.name}"
+    logger.warning("rmsnorm: no tuned %s launch for row block %d on %s (%s); using the heuristic",
+                   kind, block, device_name, where)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str | None:
+    """The GPU's name; None for CPU tensors (the Triton interpreter), which take the heuristic silently."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def launch_config(kind: str, n_cols: int, device: torch.device | None = None) -> dict:
+    """The launch for `kind` ('forward', 'fused_add' or 'backward') at this hidden size on `device`:
+    `{"looped": False, "block", "rows", "num_warps"[, "programs_per_sm" | "evict_first"]}` from the GPU's
+    table, else `heuristic_config` (`"looped": True` where the row is wider than one block)."""
     block = _row_block(n_cols)
-    table = _CONFIGS[kind]
-    if str(block) in table:
-        return {"looped": False, "block": block, **table[str(block)]}
-    return {"looped": True, **_CONFIGS["looped"][kind]}
+    name = _device_name(device) if device is not None else None
+    entry = tuned_table(name).get(kind, {}).get(str(block)) if name else None
+    if entry is not None:
+        return {"looped": False, "block": block, **entry}
+    if name:
+        _note_heuristic(name, kind, block)
+    return heuristic_config(kind, block)
 
 
 @functools.lru_cache(maxsize=None)
@@ -307,7 +358,7 @@ def forward(x, residual, weight, out, sum_out, eps: float, offset: float, config
     """out = rmsnorm(x [+ residual]) and, with a residual, sum_out = x + residual. 2-D row views only;
     out and sum_out may alias x and residual (each element is read before it is written)."""
     n_rows, n_cols = x.shape
-    config = config or launch_config("fused_add" if residual is not None else "forward", n_cols)
+    config = config or launch_config("fused_add" if residual is not None else "forward", n_cols, x.device)
     has_residual = residual is not None
     args = (
         x, residual if has_residual else x, weight if weight is not None else x, out,
@@ -329,7 +380,7 @@ def backward(grad_out, x, weight, grad_sum, grad_x, grad_weight, eps: float, off
              config: dict | None = None) -> None:
     """grad_x (and grad_weight when given) of rmsnorm(x), plus grad_sum when given. 2-D row views."""
     n_rows, n_cols = x.shape
-    config = config or launch_config("backward", n_cols)
+    config = config or launch_config("backward", n_cols, x.device)
     weight_grad = grad_weight is not None
     if n_rows == 0:
         if weight_grad:
