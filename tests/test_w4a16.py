@@ -321,6 +321,161 @@ def test_gradient_wrt_x(k, torch_path):
     assert torch.allclose(bias.grad.double(), grad.double().sum(0), rtol=1e-2, atol=1e-2)
 
 
+# --- the SwiGLU epilogue: a fused gate / up weight in the interleaved layout -------------------------------
+
+INTER = 72  # intermediate size: 144 fused rows padded to 256, so a 128-row tile ends past N (masked columns)
+SWIGLU_CONFIGS = {  # every path with the epilogue; resolve turns the GEMVs' 8-row tiles into 16-row ones
+    "gemv-half2": {"kernel": "gemv", "block_n": 8, "tiles": 2, "split_k": 1, "half2": True},
+    "gemv-half2-split": {"kernel": "gemv", "block_n": 32, "tiles": 1, "split_k": 2, "prefetch": True, "half2": True},
+    "gemv-half2-tma": {"kernel": "gemv", "block_n": 16, "tiles": 2, "split_k": 1, "num_stages": 3, "x_bcast": True,
+                       "tma": True, "half2": True},
+    "gemv": {"kernel": "gemv", "block_n": 8, "tiles": 2, "split_k": 1},
+    "gemv-split": {"kernel": "gemv", "block_n": 128, "tiles": 1, "split_k": 2, "prefetch": True},
+    "dot-swap-packed": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 1, "swap_ab": True, "packed": True},
+    "dot-swap-full-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
+                            "full_tile": True},
+    "dot-planes": {"kernel": "dot", "block_m": 16, "block_n": 128, "split_k": 1},
+    "dot-packed-scaled": {"kernel": "dot", "block_m": 16, "block_n": 32, "split_k": 1, "packed": True,
+                          "scale_weights": True},
+    "dot-packed-tma-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
+                             "packed": True, "x_desc": True, "w_desc": True},
+    "dequant-chunks": {"kernel": "dequant", "chunk_n": 128},
+}
+# int4 symmetric and zero-point g128 (the packed-fp16 GEMV, packed dot operands), g64 (portable GEMV, fp32 planes),
+# per channel, NF4
+SWIGLU_FORMATS = [FORMATS[i] for i in (0, 1, 3, 5, 6)]
+SWIGLU_FORMAT_IDS = [FORMAT_IDS[i] for i in (0, 1, 3, 5, 6)]
+
+
+def _gate_up(k, fmt, zero_point, group_size, kk, dtype, seed=50, inter=INTER):
+    """Separately quantized gate and up weights [inter, K], their biases, and the fused weight in the SwiGLU layout."""
+    gate, up = (k.quantize(_weight(inter, kk, dtype, seed=seed + i), group_size=group_size, zero_point=zero_point,
+                           fmt=fmt) for i in range(2))
+    biases = [torch.randn(inter, generator=_gen(seed + 2 + i)).to(dtype) for i in range(2)]
+    fused, bias = k.fusion.interleave_gate_up(k.fusion.concat_weights([gate, up]), torch.cat(biases))
+    return gate, up, biases, fused, bias
+
+
+def _swiglu_reference(k, x, gate, up, biases):
+    """float64 silu(x @ Wg.T + bg) * (x @ Wu.T + bu) from the separately dequantized weights."""
+    g, u = (_reference(k, x, w, b) for w, b in zip((gate, up), biases))
+    return torch.nn.functional.silu(g) * u
+
+
+def test_swiglu_layout(k):
+    """join_gate_up puts gate column 8 b + i at 16 b + i and up's at 16 b + 8 + i; split_gate_up inverts it; the
+    interleaved weight dequantizes to the separate weights' rows in that order."""
+    ref = k.reference
+    gate, up = torch.arange(16).view(1, 16), torch.arange(100, 116).view(1, 16)
+    joined = ref.join_gate_up(gate, up)
+    assert joined.tolist() == [list(range(8)) + list(range(100, 108)) + list(range(8, 16)) + list(range(108, 116))]
+    assert all(torch.equal(a, b) for a, b in zip(ref.split_gate_up(joined), (gate, up)))
+    g, u, _, fused, _ = _gate_up(k, "int4", True, 64, 320, torch.float16)
+    rows = ref.split_gate_up(k.dequantize(fused, torch.float32).t())
+    assert torch.equal(rows[0], k.dequantize(g, torch.float32).t())
+    assert torch.equal(rows[1], k.dequantize(u, torch.float32).t())
+
+
+@pytest.mark.parametrize("path", list(SWIGLU_CONFIGS))
+@pytest.mark.parametrize("fmt,zero_point,group_size,kk", SWIGLU_FORMATS, ids=SWIGLU_FORMAT_IDS)
+def test_swiglu_paths_fp16(k, fmt, zero_point, group_size, kk, path):
+    _check_swiglu_launch(k, fmt, zero_point, group_size, kk, SWIGLU_CONFIGS[path], torch.float16)
+
+
+@pytest.mark.parametrize("path", list(SWIGLU_CONFIGS))
+def test_swiglu_paths_bf16(k, path):
+    _check_swiglu_launch(k, "int4", True, 128, 384, SWIGLU_CONFIGS[path], torch.bfloat16)
+
+
+def _check_swiglu_launch(k, fmt, zero_point, group_size, kk, config, dtype):
+    """silu(gate) * up [M, I] of one explicit launch on a NaN-poisoned output against float64. The epilogue runs on
+    the fp32 accumulators and rounds once, as the matmul does, so the matmul's tolerance holds (silu(g) * u has
+    the relative error of u plus |1 + g (1 - sigmoid(g))| times that of g, which exceeds 1 only where silu(g) is
+    small); dequantize + cuBLAS rounds g and u to x's dtype first, about one more rounding (~3e-4 for fp16)."""
+    m = 3 if config["kernel"] == "gemv" else 17  # two token tiles of 16 on the dot path
+    gate, up, biases, fused, bias = _gate_up(k, fmt, zero_point, group_size, kk, dtype)
+    x = torch.randn(m, kk, generator=_gen(6)).to(dtype)
+    out = torch.full((m, INTER), float("nan"), dtype=dtype)
+    k.triton_kernels.matmul(x, fused.qweight, fused.scales, fused.zeros, fused.codebook, bias, 2 * INTER, kk,
+                            group_size, config, out=out, swiglu=True)
+    assert not out.isnan().any()
+    assert _rel_err(out, _swiglu_reference(k, x, gate, up, biases)) < TOL[dtype]
+
+
+def test_resolve_pairs_gate_up_rows_for_swiglu(k):
+    """With the epilogue every program holds whole 16-row blocks: the GEMVs' 8-row tiles (their own or the packed
+    GEMV's) become 16, larger tiles and the other paths keep theirs; without it the plan is unchanged."""
+    x16 = torch.zeros(1, 256, dtype=torch.float16)
+    gemv = {"kernel": "gemv", "block_n": 8, "tiles": 4, "split_k": 2, "num_warps": 4,
+            "half2": {"block_n": 8, "tiles": 8, "split_k": 1}}
+    resolve = k.tuning.resolve
+    assert resolve(gemv, x16, None, 128, swiglu=True) == {**resolve(gemv, x16, None, 128), "block_n": 16,
+                                                          "swiglu": True}
+    assert resolve(gemv, x16, None, 32, swiglu=True) == {**resolve(gemv, x16, None, 32), "block_n": 16, "swiglu": True}
+    assert resolve({**gemv, "block_n": 64}, x16, None, 32, swiglu=True)["block_n"] == 64
+    for config in ({"kernel": "dot", "block_m": 16, "block_n": 64, "packed": True},
+                   {"kernel": "dequant", "chunk_n": 8}):
+        assert resolve(config, x16, None, 128, swiglu=True) == {**resolve(config, x16, None, 128), "swiglu": True}
+    assert "swiglu" not in resolve(gemv, x16, None, 128)
+
+
+@pytest.mark.parametrize("m", [1, 5, 40, 600])
+def test_public_swiglu_matmul_dispatches_by_m(k, m):
+    """Through the op (interpreter): M = 1 the packed-fp16 GEMV, then the dot path, large M dequantize + cuBLAS."""
+    gate, up, biases, fused, bias = _gate_up(k, "int4", False, 128, 384, torch.float16, seed=60)
+    x = torch.randn(m, 384, generator=_gen(9)).half()
+    out = k.swiglu_matmul(x, fused, bias)
+    assert out.shape == (m, INTER) and out.dtype == torch.float16
+    assert _rel_err(out, _swiglu_reference(k, x, gate, up, biases)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt,zero_point,group_size,kk", SWIGLU_FORMATS, ids=SWIGLU_FORMAT_IDS)
+def test_swiglu_pytorch_path(k, torch_path, fmt, zero_point, group_size, kk, dtype):
+    gate, up, biases, fused, bias = _gate_up(k, fmt, zero_point, group_size, kk, dtype, seed=61)
+    x = torch.randn(2, 3, kk, generator=_gen(11)).to(dtype)
+    out = k.swiglu_matmul(x, fused, bias)
+    assert out.shape == (2, 3, INTER) and out.dtype == dtype
+    assert _rel_err(out, _swiglu_reference(k, x, gate, up, biases)) < TOL[dtype]
+    assert k.swiglu_matmul(x[:, :0], fused).shape == (2, 0, INTER)
+
+
+def test_swiglu_op_passes_opcheck(k, torch_path):
+    _, _, _, fused, bias = _gate_up(k, "int4", True, 64, 256, torch.float16, seed=62)
+    x = torch.randn(3, 256, generator=_gen(14)).half().requires_grad_()
+    args = (x, fused.qweight, fused.scales, fused.zeros, fused.codebook, fused.perm, bias, 2 * INTER, 256, 64)
+    torch.library.opcheck(k.ops.swiglu_matmul_op, args)
+
+
+def test_swiglu_gradient_wrt_x_and_bias(k, torch_path):
+    """The backward recomputes the fused rows and differentiates silu(g) * u in fp32: against float64 autograd."""
+    _, _, _, fused, bias = _gate_up(k, "int4", False, 64, 256, torch.float32, seed=63)
+    x = torch.randn(4, 256, generator=_gen(16)).half().requires_grad_()
+    bias = bias.half().requires_grad_()
+    grad = torch.randn(4, INTER, generator=_gen(18)).half()
+    k.swiglu_matmul(x, fused, bias).backward(grad)
+    x64, b64 = x.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+    gate, up = k.reference.split_gate_up(x64 @ k.dequantize(fused, torch.float32).double().t() + b64)
+    (torch.nn.functional.silu(gate) * up).backward(grad.double())
+    assert _rel_err(x.grad, x64.grad) < 3e-3 and _rel_err(bias.grad, b64.grad) < 3e-3
+
+
+def test_swiglu_refuses_rows_that_do_not_pair(k):
+    """Gate and up pair in blocks of 8 rows: 2 I must be a multiple of 16."""
+    x = torch.randn(2, 256).half()
+    odd = k.quantize(_weight(N, 256), group_size=128)  # 72 rows: I = 36
+    with pytest.raises(ValueError, match="multiple of 16"):
+        k.swiglu_matmul(x, odd)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        k.W4A16Linear(odd).swiglu(x)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        k.fusion.interleave_gate_up(odd)
+    with pytest.raises(TypeError, match="qweight"):
+        k.swiglu_matmul(x, odd.qweight)
+    with pytest.raises(TypeError, match="gate_up"):
+        k.fusion.interleave_gate_up(odd.qweight)
+
+
 # --- importers: tensors built as the checkpoint tools build them ----------------------------------------
 
 def _gptq_tensors(kk, n, g, zeros, seed):

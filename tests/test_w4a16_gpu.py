@@ -205,6 +205,99 @@ def test_half2_gemv_nf4_vs_float64(k, group_size, dtype, pipeline):
     _check_launch(k, x, qw, None, config)
 
 
+SWIGLU_CONFIGS = {  # every path with the SwiGLU epilogue; resolve makes the GEMVs' 8-row tiles 16-row ones
+    "gemv-half2": {"kernel": "gemv", "block_n": 8, "tiles": 8, "split_k": 1, "num_warps": 4, "half2": True},
+    "gemv-half2-split": {"kernel": "gemv", "block_n": 8, "tiles": 8, "split_k": 3, "num_warps": 4, "prefetch": True,
+                         "half2": True},
+    "gemv-half2-bcast-tma": {"kernel": "gemv", "block_n": 16, "tiles": 8, "split_k": 1, "num_warps": 2,
+                             "num_stages": 3, "x_bcast": True, "tma": True, "half2": True},
+    "gemv": {"kernel": "gemv", "block_n": 8, "tiles": 8, "split_k": 1, "num_warps": 4},
+    "gemv-split": {"kernel": "gemv", "block_n": 32, "tiles": 4, "split_k": 3, "num_warps": 8, "num_stages": 2},
+    "dot-swap-packed-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 3, "swap_ab": True,
+                              "num_warps": 4, "num_stages": 3, "packed": True},
+    "dot-swap-packed-tma": {"kernel": "dot", "block_m": 64, "block_n": 128, "split_k": 1, "swap_ab": True,
+                            "num_warps": 8, "num_stages": 3, "packed": True, "scale_weights": True, "x_desc": True,
+                            "w_desc": True},
+    "dot-unswapped": {"kernel": "dot", "block_m": 64, "block_n": 128, "split_k": 1, "swap_ab": False, "num_warps": 8,
+                      "num_stages": 3, "packed": True},
+    "dot-unswapped-full-tile": {"kernel": "dot", "block_m": 64, "block_n": 64, "split_k": 2, "swap_ab": False,
+                                "num_warps": 4, "num_stages": 3, "full_tile": True},
+    "dequant-chunks": {"kernel": "dequant", "chunk_n": 1024},
+}
+SWIGLU_FORMATS = [("int4", False, 128), ("int4", True, 128), ("int4", True, 64), ("int4", True, -1), ("nf4", False, 64)]
+
+
+def _swiglu_reference(k, x, gate, up, biases):
+    """float64 silu(x @ Wg.T + bg) * (x @ Wu.T + bu) from the separately dequantized weights."""
+    g, u = (_reference(k, x, w, b) for w, b in zip((gate, up), biases))
+    return torch.nn.functional.silu(g) * u
+
+
+def _gate_up(k, inter, kk, dtype, fmt, zero_point, group_size, seed):
+    gate, up = (k.quantize(_weight(inter, kk, dtype, seed=seed + i), group_size=group_size, zero_point=zero_point,
+                           fmt=fmt) for i in range(2))
+    biases = [torch.randn(inter, device="cuda", dtype=dtype) for _ in range(2)]
+    fused, bias = k.fusion.interleave_gate_up(k.fusion.concat_weights([gate, up]), torch.cat(biases))
+    return gate, up, biases, fused, bias
+
+
+@pytest.mark.parametrize("path", list(SWIGLU_CONFIGS))
+@pytest.mark.parametrize("fmt,zero_point,group_size", SWIGLU_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_swiglu_epilogue_vs_float64(k, path, fmt, zero_point, group_size, dtype):
+    """silu(gate) * up [M, I] from each path's epilogue (split-K: the reduction kernel's; dequantize + cuBLAS: one
+    more kernel) on poisoned outputs against float64. I = 1504 leaves a partial 128-row tile; K per channel is not
+    a multiple of 128; M = 37 (M = 2 on the GEMVs) leaves a partial token tile. The epilogue works on the fp32
+    accumulators and rounds once, so the matmul's TOL holds (see tests/test_w4a16.py, _check_swiglu_launch)."""
+    config = SWIGLU_CONFIGS[path]
+    inter, kk = 1504, 5120 if group_size != -1 else 5000
+    m = 2 if config["kernel"] == "gemv" else 37
+    gate, up, biases, fused, bias = _gate_up(k, inter, kk, dtype, fmt, zero_point, group_size, seed=10)
+    x = torch.randn(m, kk, device="cuda", dtype=dtype)
+    out = torch.full((m, inter), float("nan"), device="cuda", dtype=dtype)
+    k.triton_kernels.matmul(x, fused.qweight, fused.scales, fused.zeros, fused.codebook, bias, 2 * inter, kk,
+                            group_size, config, out=out, swiglu=True)
+    assert not out.isnan().any()
+    assert _rel_err(out, _swiglu_reference(k, x, gate, up, biases)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 1024])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_swiglu_matmul_tuned_configs(k, m, dtype):
+    """Through the op on Llama-3-8B's gate / up (K 4096, 2 x 14336 rows: a tuned shape), the table's configs with the
+    epilogue: the packed-fp16 GEMV's 8-row tiles as 16-row ones, the tuned dot tiles, dequantize + cuBLAS."""
+    gate, up, biases, fused, bias = _gate_up(k, 14336, 4096, dtype, "int4", False, 128, seed=11)
+    x = torch.randn(m, 4096, device="cuda", dtype=dtype)
+    out = k.swiglu_matmul(x, fused, bias)
+    assert out.shape == (m, 14336) and out.dtype == dtype
+    assert _rel_err(out, _swiglu_reference(k, x, gate, up, biases)) < TOL[dtype]
+
+
+def test_swiglu_matmul_compiles_and_replays(k):
+    """torch.compile(fullgraph=True) and CUDA-graph replay of the SwiGLU op at M = 1, 16 and 1024, bit for bit
+    with eager."""
+    _, _, _, fused, bias = _gate_up(k, 2048, 2048, torch.float16, "int4", False, 128, seed=12)
+    fn = torch.compile(lambda x: k.swiglu_matmul(x, fused, bias) * 2, fullgraph=True)
+    inputs = {m: torch.randn(m, 2048, device="cuda", dtype=torch.float16) for m in (1, 16, 1024)}
+    for x in inputs.values():
+        torch.testing.assert_close(fn(x), k.swiglu_matmul(x, fused, bias) * 2, rtol=0, atol=0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for x in inputs.values():
+            k.swiglu_matmul(x, fused, bias)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = {m: k.swiglu_matmul(x, fused, bias) for m, x in inputs.items()}
+    for x in inputs.values():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    for m, x in inputs.items():
+        torch.testing.assert_close(outs[m], k.swiglu_matmul(x, fused, bias), rtol=0, atol=0)
+
+
 def test_act_order_gptq_full_size(k):
     """A GPTQ act-order weight: the matmul permutes x and matches the dequantized weight."""
     n, kk, g = 4096, 4096, 128

@@ -6,7 +6,8 @@ act-order), AWQ and bitsandbytes NF4 checkpoints; a GEMV path for decode, a tens
 dequantization in the K loop, and dequantize-then-cuBLAS for large M, chosen by M. Quantization by
 round-to-nearest (`quantize`, `quantize_model`) or calibrated (GPTQ: `gptq_quantize`,
 ``quantize_model(..., calibration=...)``); `quantize_model` also fuses the projections that read one input
-(q / k / v, gate / up) into one matmul (`fuse_projections`).
+(q / k / v, gate / up) into one matmul (`fuse_projections`), a SiLU MLP's gate / up with its activation in the
+matmul's epilogue (`swiglu_matmul`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "quantize",
     "quantize_model",
     "save_quantized",
+    "swiglu_matmul",
 ]
 
 
@@ -48,6 +50,14 @@ def matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: Optional[torch.Tenso
     """``x @ W.T (+ bias)`` for x ``[..., K]`` float16 / bfloat16 and W the 4-bit weight ``[N, K]``;
     fp32 accumulation, result in x's dtype. Works under torch.compile(fullgraph=True) and CUDA graphs."""
     return ops.matmul(x, qweight, bias)
+
+
+def swiglu_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``silu(gate) * up`` ``[..., N // 2]`` of ``x @ W.T (+ bias)`` for a fused gate / up weight W ``[N, K]`` whose
+    rows come in blocks of 8 gate rows, then the same 8 up rows (`fusion.interleave_gate_up`; N a multiple of
+    16): computed in the matmul's epilogue from fp32 accumulators and rounded once, so the ``[..., N]`` product
+    never reaches memory (dequantize + cuBLAS at large M writes it, then one more kernel applies the epilogue)."""
+    return ops.swiglu_matmul(x, qweight, bias)
 
 
 def dequantize(qweight: QuantizedWeight, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -30,6 +30,10 @@ import torch
 TILE_K = 128  # K-columns per packed tile
 WORDS_PER_TILE = TILE_K // 8
 PAD_N = 128  # output rows are padded to this so kernels never mask weight loads
+# A fused gate / up weight for the SwiGLU epilogue (`ops.swiglu_matmul`) holds its rows in blocks of this many
+# gate rows, then as many up rows (`reference.join_gate_up`): every output tile of >= 16 rows pairs gate row
+# 16 b + i with up row 16 b + 8 + i, and the MMA accumulator layouts give rows r and r + 8 to one thread.
+GATE_UP_BLOCK = 8
 FORMATS = ("int4", "nf4")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -70,6 +74,14 @@ def check_group_size(group_size: int, k: int) -> None:
         raise ValueError(f"group_size must be 32, 64, a multiple of {TILE_K}, or -1 (per channel), got {group_size}")
     if k % group_size:
         raise ValueError(f"K = {k} (in_features) is not divisible by group_size = {group_size}")
+
+
+def check_swiglu_rows(n: int) -> None:
+    """A fused gate / up weight of `n` rows pairs in the SwiGLU layout only as whole blocks of GATE_UP_BLOCK gate
+    rows and as many up rows."""
+    if n % (2 * GATE_UP_BLOCK):
+        raise ValueError(f"qweight must have a multiple of {2 * GATE_UP_BLOCK} rows (out_features) for the SwiGLU "
+                         f"epilogue (gate and up rows in blocks of {GATE_UP_BLOCK}), got {n}")
 
 
 def num_groups(k: int, group_size: int) -> int:

@@ -15,7 +15,10 @@ The modules that replace the model's keep its own code running unchanged:
   which torch.compile resolves while tracing (a failing check is an error there too), and a CUDA graph records
   just the one matmul, the slices being views.
 - `GateUpMLP` replaces a whole MLP whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, keeping
-  the model's ``act_fn`` and ``down_proj``.
+  the model's ``act_fn`` and ``down_proj``. Where ``act_fn`` is SiLU the fused rows are interleaved
+  (`interleave_gate_up`) and the matmul's SwiGLU epilogue computes silu(gate) * up from its fp32 accumulators,
+  so the gate / up output never reaches memory; that rounds once where the model rounded gate, up, the activation
+  and the product to its dtype, so the logits agree to that rounding rather than bit for bit.
 
 Layouts are recognised from the module's forward code (`qkv_layout_problem`, `gated_mlp_problem`): anything else
 is left unfused.
@@ -30,7 +33,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .formats import PAD_N, QuantizedWeight, pad_group_params, round_up
+from .formats import GATE_UP_BLOCK, PAD_N, QuantizedWeight, check_swiglu_rows, pad_group_params, round_up
+from .reference import join_gate_up
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
@@ -69,6 +73,36 @@ def concat_weights(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
                            zeros=None if first.zeros is None else columns("zeros"), codebook=first.codebook,
                            perm=first.perm, shape=(n, k), group_size=first.group_size, fmt=first.fmt,
                            dtype=first.dtype)
+
+
+def interleave_gate_up(gate_up: QuantizedWeight, bias: Optional[torch.Tensor] = None):
+    """`gate_up` (``concat_weights([gate, up])``: I gate rows, then I up rows, I a multiple of GATE_UP_BLOCK) and its
+    bias ``[2 I]`` (or None) with the rows in the SwiGLU layout of `ops.swiglu_matmul`: blocks of GATE_UP_BLOCK gate
+    rows, then the same up rows (`reference.join_gate_up`). Packed rows, scales and zero points move unchanged."""
+    if not isinstance(gate_up, QuantizedWeight):
+        raise TypeError(f"gate_up must be a QuantizedWeight, got {type(gate_up).__name__}")
+    n, k = gate_up.shape
+    check_swiglu_rows(n)
+    order = join_gate_up(*torch.arange(n, device=gate_up.device).chunk(2))
+    qweight = gate_up.qweight.clone()
+    qweight[:n] = gate_up.qweight[order]
+
+    def columns(t: torch.Tensor) -> torch.Tensor:
+        return pad_group_params(t[:, order], (n, k), gate_up.group_size)
+
+    weight = QuantizedWeight(qweight=qweight, scales=columns(gate_up.scales),
+                             zeros=None if gate_up.zeros is None else columns(gate_up.zeros),
+                             codebook=gate_up.codebook, perm=gate_up.perm, shape=(n, k),
+                             group_size=gate_up.group_size, fmt=gate_up.fmt, dtype=gate_up.dtype)
+    return weight, None if bias is None else bias[order.to(bias.device)]
+
+
+def is_silu(act_fn) -> bool:
+    """Whether `act_fn` is SiLU: ``nn.SiLU`` (transformers' ``ACT2FN["swish"]``), ``F.silu``, or transformers'
+    ``SiLUActivation`` (``ACT2FN["silu"]``, recognised by name: this package does not import transformers)."""
+    cls = type(act_fn)
+    return (isinstance(act_fn, nn.SiLU) or act_fn is nn.functional.silu
+            or (cls.__name__ == "SiLUActivation" and cls.__module__ == "transformers.activations"))
 
 
 class _Handoff:
@@ -126,21 +160,50 @@ class HandedOffProjection(nn.Module):
 
 
 class GateUpMLP(nn.Module):
-    """``down_proj(act_fn(gate) * up)`` with gate and up from one matmul (`gate_up`: gate rows, then up rows)."""
+    """``down_proj(act_fn(gate) * up)`` with gate and up from one matmul `gate_up` (a `W4A16Linear`): with `swiglu`
+    (act_fn SiLU) its rows are in the SwiGLU layout (`interleave_gate_up`) and it runs ``gate_up.swiglu``, the
+    matmul with the SwiGLU epilogue; else gate rows, then up rows, and `act_and_mul` on its output. The layout is
+    the module's extra state in the state_dict, so a state_dict of either layout loads right."""
 
-    def __init__(self, gate_up: nn.Module, down_proj: nn.Module, act_fn) -> None:
+    def __init__(self, gate_up: nn.Module, down_proj: nn.Module, act_fn, swiglu: bool = False) -> None:
         super().__init__()
         self.gate_up = gate_up
         self.down_proj = down_proj
         self.act_fn = act_fn
+        self._set_layout(swiglu)
+
+    def _set_layout(self, swiglu: bool) -> None:
+        if not isinstance(swiglu, bool):
+            raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+        if swiglu:
+            if not is_silu(self.act_fn):
+                raise ValueError(f"swiglu=True needs a SiLU act_fn, got {type(self.act_fn).__name__}")
+            check_swiglu_rows(self.gate_up.out_features)
+        self.swiglu = swiglu
 
     def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``act_fn(gate) * up`` from the fused matmul's output."""
+        """``act_fn(gate) * up`` from the fused matmul's output (gate rows, then up rows)."""
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down_proj(self.gate_up.swiglu(x))
         return self.down_proj(self.act_and_mul(self.gate_up(x)))
+
+    def get_extra_state(self) -> torch.Tensor:
+        """The row layout of `gate_up`: GATE_UP_BLOCK (the SwiGLU layout) or 0 (gate rows, then up rows)."""
+        return torch.tensor(GATE_UP_BLOCK if self.swiglu else 0)
+
+    def set_extra_state(self, state) -> None:
+        block = int(state)
+        if block not in (0, GATE_UP_BLOCK):
+            raise ValueError(f"the state_dict's gate_up layout must be 0 or {GATE_UP_BLOCK} (rows per block), "
+                             f"got {block}")
+        self._set_layout(block == GATE_UP_BLOCK)
+
+    def extra_repr(self) -> str:
+        return f"gate / up rows: {'SwiGLU layout, the epilogue in the matmul' if self.swiglu else 'gate, then up'}"
 
 
 def _gated_mlp_forward(self, x):  # the forward GateUpMLP stands in for, compared with a model's by bytecode

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from . import ops
-from .formats import QuantizedWeight, quantize
+from .formats import GATE_UP_BLOCK, QuantizedWeight, check_swiglu_rows, quantize
 from .fusion import (GATE_UP, QKV, FusedQKVProjection, GateUpMLP, HandedOffProjection, concat_weights,
-                     gated_mlp_problem, qkv_layout_problem)
+                     gated_mlp_problem, interleave_gate_up, is_silu, qkv_layout_problem)
 from .gptq import gptq_quantize
 
 logger = logging.getLogger(__name__)
@@ -58,11 +58,20 @@ class W4A16Linear(nn.Module):
                                fmt=self.fmt, dtype=self.weight_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(ops.matmul_op, x)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` ``[..., out_features // 2]`` for a fused gate / up weight in the SwiGLU layout
+        (`fusion.interleave_gate_up`): the matmul with the epilogue in its kernels, so ``[..., out_features]``
+        never reaches memory. ValueError unless out_features is a multiple of 2 * GATE_UP_BLOCK."""
+        check_swiglu_rows(self.out_features)
+        return self._run(ops.swiglu_matmul_op, x)
+
+    def _run(self, op, x: torch.Tensor) -> torch.Tensor:
         n, k = self.out_features, self.in_features
         bias = None if self.bias is None else self.bias.to(x.dtype)
         ops.check_activation(x, (n, k), self.qweight.device, bias)
-        return ops.matmul_op(x, self.qweight, self.scales, self.zeros, self.codebook, self.perm, bias,
-                             n, k, self.group_size)
+        return op(x, self.qweight, self.scales, self.zeros, self.codebook, self.perm, bias, n, k, self.group_size)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -91,8 +100,9 @@ def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] 
     component of the dotted name) by a `W4A16Linear`, in place; returns `model`. Round-to-nearest, or with
     `calibration` (model inputs: token-id tensors or dicts of keyword arguments) GPTQ for the linears of the
     decoder layers (`calibrate_model`, optionally `act_order`, with `damp` added to the Hessian's diagonal as
-    a fraction of its mean) and round-to-nearest for the others. With `fuse` (exact) the projections that read
-    one input then run as one matmul: q / k / v and gate / up (`fuse_projections`)."""
+    a fraction of its mean) and round-to-nearest for the others. With `fuse` the projections that read one
+    input then run as one matmul: q / k / v and gate / up, SiLU MLPs with the SwiGLU epilogue in the matmul
+    (`fuse_projections`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(fuse, bool):
@@ -122,10 +132,6 @@ def _concat_bias(linears: list[W4A16Linear]) -> Optional[torch.Tensor]:
     return torch.cat([present[0].new_zeros(m.out_features) if m.bias is None else m.bias for m in linears])
 
 
-def _fused_linear(linears: list[W4A16Linear]) -> W4A16Linear:
-    return W4A16Linear(concat_weights([m.quantized_weight for m in linears]), _concat_bias(linears))
-
-
 def _fuse_group(model: nn.Module, name: str, module: nn.Module, group: tuple[str, ...]) -> Optional[str]:
     """Fuse `group` (QKV or GATE_UP) of `module` (at `name` in `model`); the reason it stays unfused, or None
     (fused, or nothing of it quantized)."""
@@ -140,14 +146,19 @@ def _fuse_group(model: nn.Module, name: str, module: nn.Module, group: tuple[str
     if problem is not None:
         return problem
     try:
-        fused = _fused_linear(linears)
+        weight = concat_weights([m.quantized_weight for m in linears])
     except ValueError as error:  # formats, group sizes or act-order permutations that differ
         return str(error)
+    bias = _concat_bias(linears)
     if group == QKV:
-        head = FusedQKVProjection(fused, tuple(m.out_features for m in linears))
+        head = FusedQKVProjection(W4A16Linear(weight, bias), tuple(m.out_features for m in linears))
         module.q_proj, module.k_proj, module.v_proj = head, HandedOffProjection(head, 0), HandedOffProjection(head, 1)
     else:
-        _replace(model, name, GateUpMLP(fused, module.down_proj, module.act_fn))
+        # SiLU MLPs whose gate / up rows pair in blocks run the matmul's SwiGLU epilogue; others act on its output
+        swiglu = is_silu(module.act_fn) and weight.shape[0] % (2 * GATE_UP_BLOCK) == 0
+        if swiglu:
+            weight, bias = interleave_gate_up(weight, bias)
+        _replace(model, name, GateUpMLP(W4A16Linear(weight, bias), module.down_proj, module.act_fn, swiglu=swiglu))
     return None
 
 
@@ -155,9 +166,11 @@ def fuse_projections(model: nn.Module) -> nn.Module:
     """Run the 4-bit projections of `model` that read the same input as one matmul, in place; returns `model`.
     Each attention's ``q_proj``, ``k_proj``, ``v_proj`` become one `W4A16Linear` (`fusion.FusedQKVProjection`
     and `fusion.HandedOffProjection`), each gated MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) a
-    `fusion.GateUpMLP`. Exact: the fused weight holds the separate ones' rows. Modules whose forward is not
-    recognised, or whose projections are not all `W4A16Linear` agreeing on format, group size and act-order
-    permutation, stay as they are, with the reason logged."""
+    `fusion.GateUpMLP`, with the matmul's SwiGLU epilogue where act_fn is SiLU and gate / up have a multiple of
+    GATE_UP_BLOCK rows. The fused weight holds the separate ones' rows, so the products are the same; only the
+    SwiGLU epilogue rounds differently (once, from fp32, where the model rounds gate, up, the activation and the
+    product). Modules whose forward is not recognised, or whose projections are not all `W4A16Linear` agreeing
+    on format, group size and act-order permutation, stay as they are, with the reason logged."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     unfused = collections.Counter()

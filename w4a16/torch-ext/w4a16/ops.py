@@ -1,4 +1,4 @@
-"""torch.library registration: the matmul and dequantize ops, their fake kernels, autograd, and the
+"""torch.library registration: the matmul, SwiGLU matmul and dequantize ops, their fake kernels, autograd, and the
 dispatch (Triton or PyTorch; then, on the Triton path, a kernel chosen by M through `tuning`).
 
 Dispatch: the Triton path when triton is importable and the tensor is not on the CPU, or when
@@ -14,7 +14,7 @@ import torch
 
 from . import reference, tuning
 from ._ops import add_op_namespace_prefix
-from .formats import QuantizedWeight
+from .formats import QuantizedWeight, check_swiglu_rows
 
 if importlib.util.find_spec("triton") is not None:
     from . import triton_kernels
@@ -78,6 +78,29 @@ def _matmul_fake(x, qweight, scales, zeros, codebook, perm, bias, n, k, group_si
     return x.new_empty(*x.shape[:-1], n)
 
 
+@torch.library.custom_op(add_op_namespace_prefix("swiglu_matmul"), mutates_args=())
+def swiglu_matmul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                     codebook: Optional[torch.Tensor], perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                     n: int, k: int, group_size: int) -> torch.Tensor:
+    """``silu(gate) * up`` ``[..., n // 2]`` of ``x @ W.T (+ bias)`` for a fused gate / up weight W in the SwiGLU
+    layout (`formats.GATE_UP_BLOCK`), computed from the fp32 accumulators and rounded once."""
+    rows = _rows(x, k, perm)
+    if rows.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], n // 2)
+    if _use_triton(x):
+        config = tuning.select(rows.shape[0], n, k, x.device, nf4_group=None if codebook is None else group_size)
+        out = triton_kernels.matmul(rows, qweight, scales, zeros, codebook, bias, n, k, group_size, config,
+                                    swiglu=True)
+    else:
+        out = reference.swiglu_matmul(rows, qweight, scales, zeros, codebook, bias, n, k, group_size)
+    return out.view(*x.shape[:-1], n // 2)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("swiglu_matmul"))
+def _swiglu_matmul_fake(x, qweight, scales, zeros, codebook, perm, bias, n, k, group_size):
+    return x.new_empty(*x.shape[:-1], n // 2)
+
+
 @torch.library.custom_op(add_op_namespace_prefix("dequantize"), mutates_args=())
 def dequantize_op(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                   codebook: Optional[torch.Tensor], perm: Optional[torch.Tensor], n: int, k: int, group_size: int,
@@ -106,7 +129,7 @@ def _matmul_setup_context(ctx, inputs, output):
 
 def _matmul_backward(ctx, grad):
     """d/dx (x @ W.T + b) = grad @ W with W dequantized in grad's dtype; the weight gets no gradient."""
-    qweight, scales, zeros, codebook, perm = ctx.saved_tensors
+    qweight, scales, zeros, codebook, perm = ctx.saved_tensors[:5]
     n, k, group_size = ctx.shape
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
@@ -120,6 +143,29 @@ def _matmul_backward(ctx, grad):
 matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup_context)
 
 
+def _swiglu_matmul_setup_context(ctx, inputs, output):
+    x, qweight, scales, zeros, codebook, perm, bias, n, k, group_size = inputs
+    ctx.save_for_backward(qweight, scales, zeros, codebook, perm, x, bias)
+    ctx.shape = (n, k, group_size)
+    ctx.bias_shape = None if bias is None else bias.shape
+
+
+def _swiglu_matmul_backward(ctx, grad):
+    """The fused rows recomputed by the matmul (the forward keeps none), the SwiGLU's derivatives in fp32
+    (silu'(g) = s (1 + g (1 - s)), s = sigmoid(g)) joined back into the fused layout, then `_matmul_backward`."""
+    qweight, scales, zeros, codebook, perm, x, bias = ctx.saved_tensors
+    n, k, group_size = ctx.shape
+    fused = matmul_op(x, qweight, scales, zeros, codebook, perm, bias, n, k, group_size).float()
+    gate, up = reference.split_gate_up(fused)
+    sig = torch.sigmoid(gate)
+    grad32 = grad.float()
+    grad_fused = reference.join_gate_up(grad32 * up * sig * (1 + gate * (1 - sig)), grad32 * gate * sig)
+    return _matmul_backward(ctx, grad_fused.to(grad.dtype))
+
+
+swiglu_matmul_op.register_autograd(_swiglu_matmul_backward, setup_context=_swiglu_matmul_setup_context)
+
+
 def matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     if not isinstance(qweight, QuantizedWeight):
         raise TypeError(f"qweight must be a QuantizedWeight (from quantize, from_gptq, ...), got {type(qweight).__name__}")
@@ -127,6 +173,16 @@ def matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: Optional[torch.Tenso
     n, k = qweight.shape
     return matmul_op(x, qweight.qweight, qweight.scales, qweight.zeros, qweight.codebook, qweight.perm, bias,
                      n, k, qweight.group_size)
+
+
+def swiglu_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if not isinstance(qweight, QuantizedWeight):
+        raise TypeError(f"qweight must be a QuantizedWeight (fusion.interleave_gate_up), got {type(qweight).__name__}")
+    check_activation(x, qweight.shape, qweight.device, bias)
+    n, k = qweight.shape
+    check_swiglu_rows(n)
+    return swiglu_matmul_op(x, qweight.qweight, qweight.scales, qweight.zeros, qweight.codebook, qweight.perm, bias,
+                            n, k, qweight.group_size)
 
 
 def dequantize(qweight: QuantizedWeight, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

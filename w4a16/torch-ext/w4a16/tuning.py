@@ -17,7 +17,8 @@ see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the op
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
 dtype, device and weight format, the one place where those choices are made: ``"gemv"`` becomes
 ``"gemv_h2"`` (the packed-fp16 GEMV's own tiles merged in) or the portable ``"gemv"``; a dot config's
-``packed`` / ``scale_weights`` are kept only where the format allows them. Launchers run a plan as it is.
+``packed`` / ``scale_weights`` are kept only where the format allows them; with the SwiGLU epilogue the plan
+says ``"swiglu": True`` and its row tiles pair gate and up rows. Launchers run a plan as it is.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .formats import PAD_N, TILE_K, round_up
+from .formats import GATE_UP_BLOCK, PAD_N, TILE_K, round_up
 
 logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -164,8 +165,22 @@ def half2_supported(x, codebook, group_size) -> bool:
     return interpreting() or (x.device.type == "cuda" and torch.version.hip is None)
 
 
-def resolve(config: dict, x: torch.Tensor, codebook, group_size: int) -> dict:
-    """The launch plan of `config` for activations `x` and a weight of this format (see the module doc)."""
+def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bool = False) -> dict:
+    """The launch plan of `config` for activations `x` and a weight of this format (see the module doc); with
+    `swiglu` (a fused gate / up weight in the SwiGLU layout) for the epilogue silu(gate) * up."""
+    plan = _format_plan(config, x, codebook, group_size)
+    if not swiglu:
+        return plan
+    if "block_n" in plan:
+        # A program pairs gate row 16 b + i with up row 16 b + 8 + i (`formats.GATE_UP_BLOCK`), so it needs whole
+        # 16-row blocks: the GEMVs' 8-row tiles become 16 (the dot tiles have 16 or more already). The dequantize
+        # path applies the epilogue after its matmul, whatever its row chunks.
+        plan["block_n"] = max(plan["block_n"], 2 * GATE_UP_BLOCK)
+    return {**plan, "swiglu": True}
+
+
+def _format_plan(config: dict, x: torch.Tensor, codebook, group_size: int) -> dict:
+    """`resolve` for this activation dtype, device and weight format."""
     if config["kernel"] == "gemv":
         plan = {key: value for key, value in config.items() if key != "half2"}
         half2 = config.get("half2", False)

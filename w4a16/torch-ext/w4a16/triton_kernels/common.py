@@ -1,13 +1,15 @@
-"""What the kernel families share: the 2**23 magic for int -> float, word tiles, the split-K reduction."""
+"""What the kernel families share: the 2**23 magic for int -> float, word tiles, the SwiGLU epilogue, the split-K
+reduction."""
 
 import triton
 import triton.language as tl
 
-from ..formats import WORDS_PER_TILE
+from ..formats import GATE_UP_BLOCK, WORDS_PER_TILE
 
 _MAGIC_BITS = tl.constexpr(0x4B000000)
 _MAGIC = tl.constexpr(8388608.0)  # 2**23
 _WORDS = tl.constexpr(WORDS_PER_TILE)
+_PAIR = tl.constexpr(GATE_UP_BLOCK)
 
 
 @triton.jit
@@ -74,14 +76,57 @@ def _i32(bits: int) -> int:
 
 
 @triton.jit
+def _silu_mul(gate, up):
+    """silu(gate) * up in fp32."""
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _swiglu_rows(acc, ROWS_FIRST: tl.constexpr):
+    """silu(gate) * up of a 2-D fp32 tile of fused rows (axis 0 when ROWS_FIRST, else axis 1) in the SwiGLU layout
+    (`formats.GATE_UP_BLOCK`): rows 16 b + i (gate) and 16 b + 8 + i (up) give result row 8 b + i, so the tile's
+    2 R rows become R. In the MMA accumulator layouts one thread holds rows r and r + 8, so reshape, permute and
+    split can stay in registers (not yet checked in compiled code)."""
+    if ROWS_FIRST:
+        blocks = tl.reshape(acc, (acc.shape[0] // (2 * _PAIR), 2, _PAIR, acc.shape[1]))
+        gate, up = tl.split(tl.permute(blocks, (0, 2, 3, 1)))
+        out = tl.reshape(_silu_mul(gate, up), (acc.shape[0] // 2, acc.shape[1]))
+    else:
+        blocks = tl.reshape(acc, (acc.shape[0], acc.shape[1] // (2 * _PAIR), 2, _PAIR))
+        gate, up = tl.split(tl.permute(blocks, (0, 1, 3, 2)))
+        out = tl.reshape(_silu_mul(gate, up), (acc.shape[0], acc.shape[1] // 2))
+    return out
+
+
+@triton.jit
+def _split_sum(part_ptr, offs, mask, stride_split, SPLIT: tl.constexpr):
+    """The SPLIT partials at `offs` summed in split order (deterministic), in fp32."""
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
 def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N,
-                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """out = sum of the SPLIT fp32 partials in a fixed order (deterministic) + bias, cast once."""
+                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum of the SPLIT fp32 partials ``[SPLIT, M, N]`` in a fixed order (deterministic) + bias, cast once.
+    SWIGLU: `out` is ``[M, N // 2]``, silu(gate) * up of the summed fused rows (bias added first); it also runs
+    with SPLIT = 1 on the 16-bit product of dequantize + cuBLAS (its SwiGLU epilogue)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    if SWIGLU:
+        half = N // 2
+        col = offs % half
+        gate_offs = (offs // half) * N + (col // _PAIR) * (2 * _PAIR) + col % _PAIR
+        gate = _split_sum(part_ptr, gate_offs, mask, 2 * total, SPLIT)
+        up = _split_sum(part_ptr, gate_offs + _PAIR, mask, 2 * total, SPLIT)
+        if HAS_BIAS:
+            gate += tl.load(bias_ptr + gate_offs % N, mask=mask, other=0.0).to(tl.float32)
+            up += tl.load(bias_ptr + gate_offs % N + _PAIR, mask=mask, other=0.0).to(tl.float32)
+        acc = _silu_mul(gate, up)
+    else:
+        acc = _split_sum(part_ptr, offs, mask, total, SPLIT)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .common import _WORDS, _natural_order, _plane, _tile_in_k_order
+from .common import _WORDS, _natural_order, _plane, _swiglu_rows, _tile_in_k_order
 from .nf4 import _nf4_pairs, _nf4_tables
 
 
@@ -109,7 +109,7 @@ def _dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
     FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
     X_DESC: tl.constexpr, W_DESC: tl.constexpr, NF4_TABLES: tl.constexpr, NF4_HALF_SCALE: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     """Tensor-core path. Per K-tile either 8 dots of K=16 (one per nibble plane: a contiguous K run) or,
     with FULL_TILE, the 8 planes interleaved back into natural K order and one dot of K=128.
@@ -132,6 +132,10 @@ def _dot_kernel(
     (`_nf4_tile_in_k_order`) rather than gathered per weight; EMULATE runs the same bit logic by gathers (the
     interpreter). NF4_HALF_SCALE (fp16 operands and scales, NVIDIA): groups smaller than a tile scale the
     looked-up pairs by packed fp16 multiplies (`_HMUL2_ASM`) instead of in fp32.
+
+    SWIGLU (a fused gate / up weight in the SwiGLU layout): the output is ``[M, N // 2]``, silu(gate) * up of
+    the fp32 accumulator after scales and bias (`_swiglu_rows`); split-K partials stay fused rows, and the
+    reduction kernel applies it.
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -256,6 +260,17 @@ def _dot_kernel(
                 acc += bias[:, None]
             else:
                 acc += bias[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        if SWIGLU:
+            cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            col_ok = cols < N // 2
+            if SWAP_AB:
+                act_offs = offs_m.to(tl.int64)[None, :] * stride_om + cols[:, None]
+                act_mask = m_ok[None, :] & col_ok[:, None]
+            else:
+                act_offs = offs_m.to(tl.int64)[:, None] * stride_om + cols[None, :]
+                act_mask = m_ok[:, None] & col_ok[None, :]
+            tl.store(out_ptr + act_offs, _swiglu_rows(acc, SWAP_AB).to(out_ptr.dtype.element_ty), mask=act_mask)
+        else:
+            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.store(out_ptr + pid_k.to(tl.int64) * stride_split + out_offs, acc, mask=out_mask)

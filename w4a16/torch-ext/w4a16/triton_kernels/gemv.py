@@ -4,19 +4,25 @@
 import triton
 import triton.language as tl
 
-from .common import _MAGIC, _MAGIC_BITS, _WORDS, _i32, _word_tiles
+from .common import _MAGIC, _MAGIC_BITS, _WORDS, _i32, _swiglu_rows, _word_tiles
 from .nf4 import _nf4_tables, nf4_lookup_asm
 
 
 @triton.jit
-def _store_gemv_rows(result, rows, N, m, pid_k, bias_ptr, out_ptr, stride_om, stride_split,
-                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
-    """A GEMV program's fp32 row results: with the bias into the output, or as this split's partials."""
+def _store_gemv_rows(result, rows, N, m, pid_n, pid_k, bias_ptr, out_ptr, stride_om, stride_split,
+                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr):
+    """A GEMV program's fp32 row results: with the bias into the output, or as this split's partials. SWIGLU (not
+    PARTIAL): silu(gate) * up of the program's rows (`_swiglu_rows`) into output columns of half the index."""
     row_ok = rows < N
     if not PARTIAL:
         if HAS_BIAS:
             result += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + rows, result.to(out_ptr.dtype.element_ty), mask=row_ok)
+        if SWIGLU:
+            act = _swiglu_rows(result[None, :], False)
+            cols = pid_n * act.shape[1] + tl.arange(0, act.shape[1])[None, :]
+            tl.store(out_ptr + m * stride_om + cols, act.to(out_ptr.dtype.element_ty), mask=cols < N // 2)
+        else:
+            tl.store(out_ptr + m * stride_om + rows, result.to(out_ptr.dtype.element_ty), mask=row_ok)
     else:
         tl.store(out_ptr + pid_k.to(tl.int64) * stride_split + m * stride_om + rows, result, mask=row_ok)
 
@@ -28,13 +34,16 @@ def _gemv_kernel(
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
     NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SUBG: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     """One token row per program row (grid axis 2), BLOCK_N output rows, TILES K-tiles per iteration.
 
     The [BLOCK_N, TILES, 16] word tile is loaded with 128-bit loads; each nibble position j is a
     contiguous run of 16 K-columns per word group, multiplied by the matching x run. Partial sums are
     reduced once per scale group and scaled there (one multiply per group, not per weight).
+
+    SWIGLU (a fused gate / up weight in the SwiGLU layout, BLOCK_N >= 16): the output is ``[M, N // 2]``,
+    silu(gate) * up of each program's rows (split-K: the reduction kernel applies it to the partials).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -110,7 +119,8 @@ def _gemv_kernel(
     result = tl.sum(acc, axis=1)
     if PER_CHANNEL:
         result = result * scale
-    _store_gemv_rows(result, rows, N, m, pid_k, bias_ptr, out_ptr, stride_om, stride_split, HAS_BIAS, PARTIAL)
+    _store_gemv_rows(result, rows, N, m, pid_n, pid_k, bias_ptr, out_ptr, stride_om, stride_split, HAS_BIAS, PARTIAL,
+                     SWIGLU)
 
 
 # Packed-fp16 GEMV (CUDA only, inline PTX). One 32-bit word holds nibbles j and j + 4 of its K positions in
@@ -300,7 +310,7 @@ def _gemv_h2_kernel(
     HALF_GROUPS: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    X_BCAST: tl.constexpr, W_DESC: tl.constexpr, EMULATE: tl.constexpr,
+    X_BCAST: tl.constexpr, W_DESC: tl.constexpr, EMULATE: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
     `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
@@ -312,6 +322,8 @@ def _gemv_h2_kernel(
 
     STAGES > 1 software-pipelines the weight tiles through a shared-memory ring (cp.async, or with W_DESC a
     TMA descriptor ``qw_ptr`` over ``[rows, num_tiles, 16]`` words, boxes of [BLOCK_N, TILES, 16]).
+
+    SWIGLU as in `_gemv_kernel`.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -402,4 +414,5 @@ def _gemv_h2_kernel(
     result = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
     if PER_CHANNEL:
         result = result * scale
-    _store_gemv_rows(result, rows, N, m, pid_k, bias_ptr, out_ptr, stride_om, stride_split, HAS_BIAS, PARTIAL)
+    _store_gemv_rows(result, rows, N, m, pid_n, pid_k, bias_ptr, out_ptr, stride_om, stride_split, HAS_BIAS, PARTIAL,
+                     SWIGLU)

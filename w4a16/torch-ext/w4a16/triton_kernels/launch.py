@@ -29,12 +29,13 @@ def _or(t, placeholder):
     return t if t is not None else placeholder
 
 
-def _reduce_splits(part, bias, out, n) -> None:
+def _reduce_splits(part, bias, out, n, swiglu) -> None:
+    """`part` ``[splits, M, n]`` summed (+ bias) into `out`: ``[M, n]``, or with `swiglu` ``[M, n // 2]``."""
     total = out.numel()
     block = 1024
     _splitk_reduce_kernel[(triton.cdiv(total, block),)](
         part, _or(bias, part), out, total, n,
-        SPLIT=part.shape[0], HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        SPLIT=part.shape[0], HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK=block, num_warps=4,
     )
 
 
@@ -51,7 +52,7 @@ def _gemv_grid(x, qweight, out, n, k, plan, bias) -> tuple:
     flags = dict(
         HAS_BIAS=bias is not None, PARTIAL=splits > 1, MASK_X=mask_tiles or k % 128 != 0, MASK_TILES=mask_tiles,
         BLOCK_N=block_n, TILES=tiles, STAGES=plan.get("num_stages", 1), PREFETCH=bool(plan.get("prefetch", False)),
-        num_warps=plan.get("num_warps", 4),
+        SWIGLU=plan.get("swiglu", False), num_warps=plan.get("num_warps", 4),
     )
     return grid, per_split, splits, target, flags
 
@@ -63,11 +64,11 @@ def _launch_gemv(x, qweight, scales, zeros, codebook, bias, out, n, k, group_siz
         x, qweight, scales, _or(zeros, scales),
         _or(codebook, scales), _or(bias, scales), target,
         n, k, num_tiles, per_split, qweight.shape[1] * 8 if group_size == -1 else group_size,
-        x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
+        x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), m * n,
         **_format_flags(zeros, codebook, group_size), **flags,
     )
     if splits > 1:
-        _reduce_splits(target, bias, out, n)
+        _reduce_splits(target, bias, out, n, plan.get("swiglu", False))
 
 
 def _launch_gemv_h2(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, plan) -> None:
@@ -89,7 +90,7 @@ def _launch_gemv_h2(x, qweight, scales, zeros, codebook, bias, out, n, k, group_
     _gemv_h2_kernel[grid](
         x, x_scales, qw, scales, _or(zeros, scales), _or(codebook, scales), _or(bias, scales), target,
         n, k, num_tiles, per_split, qweight.shape[1] * 8 if group_size == -1 else group_size,
-        x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
+        x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), m * n,
         HAS_ZERO=zeros is not None, PER_CHANNEL=group_size == -1, X_SCALED=x_scaled,
         NF4=codebook is not None, HALF_GROUPS=group_size == 64,
         X_BCAST=bool(plan.get("x_bcast", False)), W_DESC=w_desc, EMULATE=interpreting(),
@@ -97,7 +98,7 @@ def _launch_gemv_h2(x, qweight, scales, zeros, codebook, bias, out, n, k, group_
         **dict(flags, MASK_X=k % 128 != 0, PREFETCH=flags["PREFETCH"] and not w_desc),
     )
     if splits > 1:
-        _reduce_splits(target, bias, out, n)
+        _reduce_splits(target, bias, out, n, plan.get("swiglu", False))
 
 
 def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, plan) -> None:
@@ -122,7 +123,7 @@ def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size
         # a compile-time group size: the group of a tile is then a shift, not a division per K-tile (per channel
         # it is never read)
         m, n, k, num_tiles, per_split, 128 if group_size == -1 else group_size,
-        x.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
+        x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), m * n,
         **flags, HAS_BIAS=bias is not None, PARTIAL=splits > 1, MASK_K=k % 128 != 0,
         SCALE_ON_ACC=flags["SUBG"] == 128 and not flags["PER_CHANNEL"] and not scale_weights,
         BLOCK_M=block_m, BLOCK_N=block_n, SWAP_AB=bool(plan.get("swap_ab", False)), STAGES=plan.get("num_stages", 2),
@@ -133,11 +134,11 @@ def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size
         X_DESC=bool(plan.get("x_desc", False)), W_DESC=bool(plan.get("w_desc", False)),
         NF4_TABLES=bool(plan.get("nf4_tables", False)),
         NF4_HALF_SCALE=bool(plan.get("nf4_half_scale", False)) and scales.dtype == torch.float16,
-        EMULATE=interpreting(),
+        EMULATE=interpreting(), SWIGLU=plan.get("swiglu", False),
         num_warps=plan.get("num_warps", 4),
     )
     if splits > 1:
-        _reduce_splits(target, bias, out, n)
+        _reduce_splits(target, bias, out, n, plan.get("swiglu", False))
 
 
 def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None) -> torch.Tensor:
@@ -160,27 +161,37 @@ def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=No
 
 
 def _launch_dequant_matmul(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, plan) -> None:
-    """Dequantize (in row chunks of `chunk_n`, so the fp16 copy can stay in L2) and multiply with cuBLAS."""
+    """Dequantize (in row chunks of `chunk_n`, so the fp16 copy can stay in L2) and multiply with cuBLAS. With
+    the SwiGLU epilogue cuBLAS writes the fused rows ``[M, n]`` (x's dtype, bias added in its epilogue) and the
+    reduction kernel, with one split, applies silu(gate) * up in one more launch: a Triton kernel rather than
+    torch ops, which take three launches and fp32 temporaries in eager mode."""
+    swiglu = plan.get("swiglu", False)
+    fused = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device) if swiglu else out
     chunk = plan.get("chunk_n") or n
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         weight = dequantize(qweight[start:], scales[:, start:], None if zeros is None else zeros[:, start:],
                             codebook, stop - start, k, group_size, x.dtype)
-        target = out[:, start:stop]
+        target = fused[:, start:stop]
         if bias is None:
             torch.mm(x, weight.t(), out=target)
         else:
             torch.addmm(bias[start:stop], x, weight.t(), out=target)
+    if swiglu:
+        _reduce_splits(fused[None], None, out, n, True)
 
 
 _LAUNCHERS = {"gemv": _launch_gemv, "gemv_h2": _launch_gemv_h2, "dot": _launch_dot, "dequant": _launch_dequant_matmul}
 
 
-def matmul(x, qweight, scales, zeros, codebook, bias, n, k, group_size, config, out=None) -> torch.Tensor:
+def matmul(x, qweight, scales, zeros, codebook, bias, n, k, group_size, config, out=None,
+           swiglu=False) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for x ``[M, K]`` with unit column stride, already in stored K order; `config` (a
-    table entry or an explicit one) is resolved here, once, into the plan the launchers run."""
+    table entry or an explicit one) is resolved here, once, into the plan the launchers run. `swiglu`: W is a
+    fused gate / up weight in the SwiGLU layout (n a multiple of 16) and the result ``[M, n // 2]`` is
+    silu(gate) * up, computed in each kernel's epilogue from its fp32 accumulators."""
     if out is None:
-        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    plan = resolve(config, x, codebook, group_size)
+        out = torch.empty(x.shape[0], n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
+    plan = resolve(config, x, codebook, group_size, swiglu)
     _LAUNCHERS[plan["kernel"]](x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, plan)
     return out
