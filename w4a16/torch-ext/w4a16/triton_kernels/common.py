@@ -33,13 +33,19 @@ def _natural_order(p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
-def _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, J: tl.constexpr,
+def _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size: tl.constexpr, stride_sg, J: tl.constexpr,
            NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SCALE_ON_ACC: tl.constexpr):
     """Nibble plane J of a [BLOCK_N, 16] word tile (K-columns 128 tile + 16 J + c) as fp32: ``code - zero``
     (times its group's scale unless the scale is applied to the accumulator), or the NF4 value."""
     code = (w >> (4 * J)) & 0xF
     if not PER_CHANNEL:
-        param_offs = tl.cast((tile * 128 + J * 16) // group_size, tl.int64) * stride_sg + rows
+        # group_size is a compile-time constant (32, 64 or a multiple of 128): the planes of one group then share
+        # one scale / zero load
+        if group_size < 128:
+            group = tile * (128 // group_size) + (J * 16) // group_size
+        else:
+            group = tile // (group_size // 128)
+        param_offs = tl.cast(group, tl.int64) * stride_sg + rows
     if NF4:
         v = tl.load(cb_ptr + code)
     else:
@@ -56,7 +62,7 @@ def _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, J: 
 
 
 @triton.jit
-def _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, NF4: tl.constexpr,
+def _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size: tl.constexpr, stride_sg, NF4: tl.constexpr,
                      HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SCALE_ON_ACC: tl.constexpr, DTYPE: tl.constexpr):
     """A [BLOCK_N, 16] word tile dequantized by `_plane` into one [BLOCK_N, 128] tile of DTYPE in K order."""
     return _natural_order(

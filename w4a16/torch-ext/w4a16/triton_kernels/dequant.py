@@ -9,13 +9,15 @@ from .common import _WORDS, _tile_in_k_order
 @triton.jit
 def _dequant_kernel(
     qw_ptr, s_ptr, z_ptr, cb_ptr, out_ptr,
-    N, K, num_tiles, group_size, stride_qn, stride_sg, stride_on,
+    N, K, num_tiles, group_size: tl.constexpr, stride_qn, stride_sg, stride_on,
     NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr,
 ):
     """Write the dequantized weight ``[N, K]`` (stored K order) in the output's dtype, each 128-column tile
     put back in K order in registers (`_natural_order`) and stored whole: on the H200 1-6 % faster dequantize +
-    cuBLAS at M = 1024 than storing the 8 nibble planes as runs of 16 columns (docs/design/w4a16.md, E2b)."""
+    cuBLAS at M = 1024 than storing the 8 nibble planes as runs of 16 columns (docs/design/w4a16.md, E2b). The
+    group size is a compile-time constant, so the 8 planes of a tile share one scale (and zero) load instead of
+    one each (E10)."""
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
