@@ -708,6 +708,36 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     return changes
 
 
+def dequant_bandwidth(kernel, shapes=SHAPES, fmt: str = "int4", group: int = GROUP) -> dict:
+    """The dequantize kernel alone (dequantize + cuBLAS runs it at M >= 512): seconds per call into a preallocated
+    fp16 output by CUDA-graph replay over rotated weights, the bytes it must move (4-bit words, scales, zeros in;
+    fp16 out) and their share of the device copy bandwidth measured in the same run."""
+    warm_clocks()
+    bandwidth = measure_copy_bandwidth()
+    rows = []
+    for label, k, n in shapes:
+        def make():
+            w = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+            return kernel.quantize(w, group_size=group, zero_point=fmt == "int4", fmt=fmt)
+        first = make()
+        out = torch.empty(n, k, device="cuda", dtype=torch.float16)
+        moved = sum(t.numel() * t.element_size() for t in (first.qweight, first.scales, first.zeros, out)
+                    if t is not None)
+        weights = [first] + [make() for _ in range(rotation_count(moved) - 1)]
+
+        def dequantize(i, weights=weights, out=out):
+            q = weights[i]
+            kernel.triton_kernels.dequantize(q.qweight, q.scales, q.zeros, q.codebook, n, k, q.group_size,
+                                             torch.float16, out=out)
+
+        seconds = time_graph(dequantize, len(weights))
+        rows.append({"shape": label, "N": n, "K": k, "us": seconds * 1e6, "bytes": moved,
+                     "pct_copy": 100 * moved / seconds / bandwidth})
+        print(f"{label}: dequantize {seconds * 1e6:.1f} us, {rows[-1]['pct_copy']:.0f} % of copy", flush=True)
+        del weights, out
+    return {"env": environment(), "copy_bandwidth": bandwidth, "fmt": fmt, "group": group, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m hubtools.bench.w4a16 --out tune.json [--shapes LABEL ...] [--tokens M ...]`: build the
     kernel, run `tune`, and write the launch table (``shapes``) with every trial and the environment."""
@@ -736,6 +766,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=GROUP, help="--compare-decode's group size")
     parser.add_argument("--variants", help="--compare-decode times, instead of its candidates, the shipped config "
                         "with each of these overrides (a JSON list of dicts)")
+    parser.add_argument("--dequant-bandwidth", action="store_true",
+                        help="instead of the sweep: the dequantize kernel's time and share of copy bandwidth "
+                             "(dequant_bandwidth) on the Llama-3 shapes or --shapes, --fmt, --group")
     parser.add_argument("--compare-gemv", action="store_true",
                         help="instead of the sweep: M=1 fp32 GEMV vs packed-fp16 GEMV candidates vs cuBLAS "
                              "(compare_gemv)")
@@ -764,6 +797,13 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(merge_compare(table, compared)))
             args.table.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
             print(f"wrote {args.table}")
+        return 0
+    if args.dequant_bandwidth:
+        with loaded_kernel(project) as module:
+            measured = dequant_bandwidth(module, [s for s in SHAPES if args.shapes is None or s[0] in args.shapes],
+                                         args.fmt, args.group)
+        args.out.write_text(json.dumps(measured, indent=1) + "\n")
+        print(f"wrote {args.out}")
         return 0
     if args.compare_gemv:
         with loaded_kernel(project) as module:
