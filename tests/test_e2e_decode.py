@@ -109,6 +109,16 @@ def test_breakdown_sums_to_step(rows):
     assert 1e3 * rows["bf16"]["seconds_per_token"] == pytest.approx(rows["bf16"]["ms_per_token"])
 
 
+def test_swiglu_mlp_counts_as_matmul(kernels, torch_path):
+    """The fused gate/up matmul with the SwiGLU epilogue runs in GateUpMLP's own forward (not a W4A16Linear's), so
+    the breakdown annotates that module as matmul; a GateUpMLP without it keeps its SiLU * mul under rest."""
+    model = e2e.quantize(e2e.build_model(e2e.MODELS["tiny"], "cpu"), kernels)
+    mlps = [m for m in model.modules() if type(m).__name__ == "GateUpMLP"]
+    assert mlps and all(m.swiglu and e2e.category(m) == "matmul" for m in mlps)
+    mlps[0]._set_layout(False)
+    assert e2e.category(mlps[0]) is None
+
+
 def _linear_weights(spec):
     """Elements of every decoder matrix per layer, and of lm_head, from the spec alone."""
     q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim

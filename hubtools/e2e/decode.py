@@ -21,9 +21,10 @@ Protocol (one model at a time, one configuration at a time):
    logits are compared with bf16's (relative error, top-1 agreement).
 4. Timing: ``steps`` graph replays between CUDA events, repeated ``reps`` times; the best pass is reported.
 5. Breakdown: a few eager decode steps under ``torch.profiler``; every CUDA kernel is assigned to the
-   innermost annotated module that launched it (``nn.Linear`` / ``W4A16Linear`` -> matmul, ``*RMSNorm`` ->
-   norms, ``*Attention`` minus its projections -> attention: RoPE, KV-cache write, GQA repeat, SDPA; all
-   else -> rest: embedding, residual adds, SiLU*mul, masks, argmax); the categories' shares of kernel time
+   innermost annotated module that launched it (``nn.Linear`` / ``W4A16Linear`` / a ``GateUpMLP`` running the
+   SwiGLU epilogue -> matmul, ``*RMSNorm`` -> norms, ``*Attention`` minus its projections -> attention: RoPE,
+   KV-cache write, GQA repeat, SDPA; all else -> rest: embedding, residual adds, SiLU*mul, masks, argmax); the
+   categories' shares of kernel time
    are scaled to the graph step time, so they sum to it (launch gaps are spread pro rata).
 6. Roofline: device copy bandwidth measured eagerly in the same run; bytes per token counted two ways
    (`decode_bytes`); ceiling tokens/s = copy bandwidth / bytes.
@@ -297,6 +298,8 @@ class Decoder:
 def category(module: nn.Module) -> Optional[str]:
     name = type(module).__name__
     if isinstance(module, nn.Linear) or name == "W4A16Linear":
+        return "matmul"
+    if name == "GateUpMLP" and module.swiglu:  # its own kernels are the gate/up matmul with the SiLU-and-mul epilogue
         return "matmul"
     if name.endswith("RMSNorm"):
         return "norms"
@@ -634,7 +637,8 @@ METHOD = {
                     "over a transformers StaticCache; positions reset to the prompt length, then `steps` replays "
                     "between CUDA events; best of `reps` passes",
     "breakdown": "eager decode steps under torch.profiler; each CUDA kernel assigned to the innermost module "
-                 "that launched it (Linear/W4A16Linear -> matmul incl. lm_head and bias adds; RMSNorm -> norms; "
+                 "that launched it (Linear/W4A16Linear/GateUpMLP with the SwiGLU epilogue -> matmul incl. lm_head and bias "
+                 "adds; RMSNorm -> norms; "
                  "Attention minus its projections -> attention: RoPE, KV-cache write, GQA repeat_kv, SDPA; "
                  "anything else -> rest); shares of kernel time scaled to the graph step time "
                  "(busy_seconds_per_step holds the unscaled eager kernel time)",
