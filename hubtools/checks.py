@@ -4,6 +4,8 @@
 - every torch.library registration takes `add_op_namespace_prefix(...)` directly (kernel-builder's
   namespace check: hard-coded or wrapped names collide silently across builds);
 - python-depends only names packages `kernels` allows;
+- the folder has what kernel-builder's Nix build and the Hub expect of it: a flake.nix calling
+  `genKernelFlakeOutputs` and, when there is a CARD.md, `library_name: kernels` in its front matter;
 - each variant imports through `kernels.get_local_kernel` in a fresh process and its layers follow the
   `kernels` layer rules; the `torch-cpu` variant does so with triton absent and runs a sample call.
 """
@@ -108,6 +110,20 @@ def check_python_depends(project: KernelProject) -> None:
             )
 
 
+def check_kernel_builder_files(project: KernelProject) -> None:
+    flake = project.root / "flake.nix"
+    if not flake.exists() or "genKernelFlakeOutputs" not in flake.read_text():
+        raise CheckError(f"{flake}: missing or not calling kernel-builder.lib.genKernelFlakeOutputs; the official "
+                         "Nix builder builds a kernel folder only through it (see any kernel folder's flake.nix)")
+    card = project.root / "CARD.md"
+    if card.exists():
+        text = card.read_text()
+        front = text.split("---", 2)[1] if text.startswith("---") else ""
+        if "library_name: kernels" not in front.splitlines():
+            raise CheckError(f"{card}: the front matter needs `library_name: kernels` (the Hub lists the repo "
+                             "under the kernels library with it)")
+
+
 # Run in a fresh interpreter: import the variant with the real loader, check layers, run the smoke call.
 # Each stage that fails exits with one line naming the stage and the cause, then the traceback.
 _VARIANT_PROBE = r"""
@@ -179,6 +195,7 @@ def check_source(project: KernelProject) -> None:
     check_build_toml(project)
     check_op_namespaces(project)
     check_python_depends(project)
+    check_kernel_builder_files(project)
 
 
 def check_build(project: KernelProject, built: Path) -> None:

@@ -172,6 +172,18 @@ def test_check_fails_on_python_depends_outside_the_allowed_list(scratch_workspac
         checks.check_python_depends(project)
 
 
+def test_check_fails_without_flake_or_card_library_name(scratch_workspace):
+    project = Workspace.load(scratch_workspace).kernel("rmsnorm")
+    checks.check_kernel_builder_files(project)
+    card = scratch_workspace / "rmsnorm" / "CARD.md"
+    card.write_text(card.read_text().replace("library_name: kernels\n", "", 1))
+    with pytest.raises(checks.CheckError, match="library_name: kernels"):
+        checks.check_kernel_builder_files(project)
+    (scratch_workspace / "rmsnorm" / "flake.nix").unlink()
+    with pytest.raises(checks.CheckError, match="genKernelFlakeOutputs"):
+        checks.check_kernel_builder_files(project)
+
+
 def test_check_fails_on_kebab_case_noarch_keys(scratch_workspace):
     manifest = scratch_workspace / "rmsnorm" / "build.toml"
     manifest.write_text(manifest.read_text() + 'cuda-capabilities = ["9.0"]\n')
