@@ -332,7 +332,25 @@ def decode_section(results: dict, goal_list: list[dict], plot_name: str) -> list
                      f"{r['speedup_vs_bf16']:.2f}x | {100 * r['fraction_of_actual_ceiling']:.1f} | "
                      f"{100 * r['fraction_of_ideal_ceiling']:.1f} | {parts} |")
     lines += ["", f"Goals: {goals_summary(goal_list)}.", ""] + goals_table(goal_list)
+    lines += matmul_kinds_table(results["rows"])
     lines += ["", "How it was measured:", ""] + [f"- {k}: {v}" for k, v in results["method"].items()] + [""]
+    return lines
+
+
+def matmul_kinds_table(rows: list[dict]) -> list[str]:
+    """Each matmul kind's time per call in the model (profiled eager steps) beside the same call alone (CUDA-graph
+    replay over the model's modules of that kind): a gap shows what the model adds around the kernels."""
+    measured = [(r, k) for r in rows for k in (r.get("breakdown_detail") or {}).get("matmul_kinds", [])
+                if k["micro_us_per_call"]]
+    if not measured:
+        return []
+    lines = ["", "Matmuls in the model against the same calls alone (us per call):", "",
+             "| model | config | kind | calls / step | in the model | alone | model / alone |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for r, k in measured:
+        lines.append(f"| {r['model']} | {r['config']} | {k['kind']} | {k['calls_per_step']:g} | "
+                     f"{k['in_model_us_per_call']:.1f} | {k['micro_us_per_call']:.1f} | "
+                     f"{k['in_model_us_per_call'] / k['micro_us_per_call']:.2f} |")
     return lines
 
 

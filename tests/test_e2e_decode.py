@@ -109,6 +109,20 @@ def test_breakdown_sums_to_step(rows):
     assert 1e3 * rows["bf16"]["seconds_per_token"] == pytest.approx(rows["bf16"]["ms_per_token"])
 
 
+def test_matmul_kinds_are_counted_per_call(rows):
+    """The breakdown splits matmul time by kind: the stock model's seven projections and lm_head, the w4a16 model's
+    fused qkv and gate/up (with the SwiGLU epilogue), each called once per layer; no microbenchmark on the CPU."""
+    layers = e2e.MODELS["tiny"].layers
+    want = {"bf16": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"},
+            "w4a16": {"qkv", "o_proj", "gate_up+swiglu", "down_proj", "lm_head"}}
+    for config, kinds in want.items():
+        got = {k["kind"]: k for k in rows[config]["breakdown_detail"]["matmul_kinds"]}
+        assert set(got) == kinds
+        for name, kind in got.items():
+            assert kind["calls_per_step"] == (1 if name == "lm_head" else layers)
+            assert kind["in_model_us_per_call"] > 0 and kind["micro_us_per_call"] is None
+
+
 def test_swiglu_mlp_counts_as_matmul(kernels, torch_path):
     """The fused gate/up matmul with the SwiGLU epilogue runs in GateUpMLP's own forward (not a W4A16Linear's), so
     the breakdown annotates that module as matmul; a GateUpMLP without it keeps its SiLU * mul under rest."""

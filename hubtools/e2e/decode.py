@@ -24,8 +24,10 @@ Protocol (one model at a time, one configuration at a time):
    innermost annotated module that launched it (``nn.Linear`` / ``W4A16Linear`` / a ``GateUpMLP`` running the
    SwiGLU epilogue -> matmul, ``*RMSNorm`` -> norms, ``*Attention`` minus its projections -> attention: RoPE,
    KV-cache write, GQA repeat, SDPA; all else -> rest: embedding, residual adds, SiLU*mul, masks, argmax); the
-   categories' shares of kernel time
-   are scaled to the graph step time, so they sum to it (launch gaps are spread pro rata).
+   categories' shares of kernel time are scaled to the graph step time, so they sum to it (launch gaps are
+   spread pro rata).
+   Each matmul kind's time per call there is set beside the same call alone (CUDA-graph replay over the
+   model's modules of that kind, on the input shape it gets in the model).
 6. Roofline: device copy bandwidth measured eagerly in the same run; bytes per token counted two ways
    (`decode_bytes`); ceiling tokens/s = copy bandwidth / bytes.
 
@@ -49,7 +51,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..measure import environment
+from ..measure import environment, time_graph
 from ..workspace import REPO_ROOT
 from .norms import kernelize_rmsnorm
 
@@ -308,16 +310,28 @@ def category(module: nn.Module) -> Optional[str]:
     return None
 
 
-def _annotate(model: nn.Module) -> list:
-    """Forward hooks that wrap each categorized module's call in a profiler range `e2e::<category>`."""
-    stack, handles = [], []
-    for module in model.modules():
-        cat = category(module)
-        if cat is None:
-            continue
+def _matmul_kind(name: str, module: nn.Module) -> str:
+    """What a matmul module is in the model, from its attribute name: q_proj / k_proj / ... unfused, qkv and gate_up
+    fused (`w4a16.fusion`), gate_up+swiglu for a GateUpMLP running the epilogue, lm_head."""
+    return "gate_up+swiglu" if type(module).__name__ == "GateUpMLP" else name.rpartition(".")[2]
 
-        def pre(mod, args, cat=cat):
-            rf = torch.profiler.record_function(ANNOTATION + cat)
+
+def _labels(model: nn.Module) -> dict:
+    """{module: annotation label}: its category, and for matmuls ``matmul/<kind>``."""
+    labels = {}
+    for name, module in model.named_modules():
+        cat = category(module)
+        if cat is not None:
+            labels[module] = f"{cat}/{_matmul_kind(name, module)}" if cat == "matmul" else cat
+    return labels
+
+
+def _annotate(model: nn.Module) -> list:
+    """Forward hooks that wrap each categorized module's call in a profiler range `e2e::<label>` (`_labels`)."""
+    stack, handles = [], []
+    for module, label in _labels(model).items():
+        def pre(mod, args, label=label):
+            rf = torch.profiler.record_function(ANNOTATION + label)
             rf.__enter__()
             stack.append(rf)
 
@@ -328,7 +342,7 @@ def _annotate(model: nn.Module) -> list:
     return handles
 
 
-def _category_of(event) -> str:
+def _label_of(event) -> str:
     while event is not None:
         if event.name.startswith(ANNOTATION):
             return event.name[len(ANNOTATION):]
@@ -336,16 +350,22 @@ def _category_of(event) -> str:
     return "rest"
 
 
-def attribute(events, on_device: bool) -> tuple[dict, float, dict]:
-    """Time per category (microseconds) from profiler events, the fraction attributed to a module, and
-    {(kernel name, category): [microseconds, launches]} (device only).
+def attribute(events, on_device: bool) -> tuple[dict, float, dict, dict]:
+    """Time per annotation label (microseconds: `_labels`, "rest" for the unclaimed) from profiler events, the
+    fraction attributed to a module, {(kernel name, category): [microseconds, launches]} (device only), and
+    the number of calls of each label.
 
     On a device, the durations of the kernels (and memcpy / memset) each CPU op launched, under its
     innermost annotation; device time no op claims goes to "rest". On the CPU, every op's self time."""
     from torch.autograd import DeviceType
 
-    raw = dict.fromkeys(CATEGORIES, 0.0)
+    raw: dict = {"rest": 0.0}
     top: dict = {}
+    calls: dict = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name.startswith(ANNOTATION):
+            label = e.name[len(ANNOTATION):]
+            calls[label] = calls.get(label, 0) + 1
     if on_device:
         total = sum(e.time_range.elapsed_us() for e in events
                     if e.device_type != DeviceType.CPU and not e.name.startswith(ANNOTATION))
@@ -354,9 +374,9 @@ def attribute(events, on_device: bool) -> tuple[dict, float, dict]:
                 continue
             for k in e.kernels:
                 if not k.name.startswith(ANNOTATION):
-                    cat = _category_of(e)
-                    raw[cat] += k.duration
-                    entry = top.setdefault((k.name[:100], cat), [0.0, 0])
+                    label = _label_of(e)
+                    raw[label] = raw.get(label, 0.0) + k.duration
+                    entry = top.setdefault((k.name[:100], label.partition("/")[0]), [0.0, 0])
                     entry[0] += k.duration
                     entry[1] += 1
         claimed = sum(raw.values())
@@ -364,23 +384,57 @@ def attribute(events, on_device: bool) -> tuple[dict, float, dict]:
             raw = {c: v * total / claimed for c, v in raw.items()}
             claimed = total
         raw["rest"] += max(total - claimed, 0.0)
-        return raw, (claimed / total if total else 0.0), top
+        return raw, (claimed / total if total else 0.0), top, calls
     for e in events:
         if e.device_type == DeviceType.CPU:
-            raw[_category_of(e)] += e.self_cpu_time_total
-    return raw, 1.0, top
+            label = _label_of(e)
+            raw[label] = raw.get(label, 0.0) + e.self_cpu_time_total
+    return raw, 1.0, top, calls
+
+
+def _matmul_microbenchmarks(model: nn.Module, x_by_kind: dict) -> dict:
+    """{kind: seconds per call} of each matmul kind alone, on the input shape it gets in the model, by CUDA-graph
+    replay rotating over the model's modules of that kind (each layer's own weight, so L2-cold as in the model)."""
+    modules: dict = {}
+    for module, label in _labels(model).items():
+        if label.startswith("matmul/"):
+            modules.setdefault(label.partition("/")[2], []).append(module)
+    seconds = {}
+    for kind, x in x_by_kind.items():
+        calls = [m.gate_up.swiglu if kind == "gate_up+swiglu" else m for m in modules[kind]]
+        with torch.no_grad():
+            seconds[kind] = time_graph(lambda i, calls=calls, x=x: calls[i](x), len(calls))
+    return seconds
+
+
+def _capture_matmul_inputs(model: nn.Module) -> tuple[dict, list]:
+    """Hooks that keep one input (a fresh random tensor of its shape and dtype) per matmul kind."""
+    inputs, handles = {}, []
+    for module, label in _labels(model).items():
+        if label.startswith("matmul/"):
+            def pre(mod, args, kind=label.partition("/")[2]):
+                if kind not in inputs:
+                    inputs[kind] = torch.randn_like(args[0])
+            handles.append(module.register_forward_pre_hook(pre))
+    return inputs, handles
 
 
 def profile_breakdown(decoder: Decoder, steps: int, step_seconds: float) -> dict:
-    """Eager steps under torch.profiler; category shares scaled to `step_seconds` (they sum to it)."""
+    """Eager steps under torch.profiler; category shares scaled to `step_seconds` (they sum to it); each matmul
+    kind's in-model time per call beside its microbenchmark (device only) at the same input shape."""
     from torch.profiler import ProfilerActivity, profile
 
     on_device = decoder.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     model = decoder.model
     decoder.reset()
-    with torch.no_grad():
-        decoder._step()  # warm (outside the profile)
+    inputs, hooks = _capture_matmul_inputs(model)
+    try:
+        with torch.no_grad():
+            decoder._step()  # warm (outside the profile)
+    finally:
+        for h in hooks:
+            h.remove()
     decoder.reset()
     handles = _annotate(model)
     try:
@@ -392,15 +446,34 @@ def profile_breakdown(decoder: Decoder, steps: int, step_seconds: float) -> dict
     finally:
         for h in handles:
             h.remove()
-    raw, claimed, top = attribute(prof.events(), on_device)
+    by_label, claimed, top, calls = attribute(prof.events(), on_device)
+    raw = dict.fromkeys(CATEGORIES, 0.0)
+    for label, us in by_label.items():
+        raw[label.partition("/")[0]] += us
     total = sum(raw.values())
     if total <= 0:
         raise RuntimeError("the profiler recorded no time for the decode steps")
+    micro, micro_error = {}, None
+    if on_device:
+        try:
+            micro = _matmul_microbenchmarks(model, inputs)
+        except Exception as exc:  # noqa: BLE001  (a failed microbenchmark must not lose the breakdown)
+            micro_error = f"{type(exc).__name__}: {exc}"[:300]
+    kinds = []
+    for label, us in sorted(by_label.items()):
+        cat, _, kind = label.partition("/")
+        if cat == "matmul":
+            n = calls.get(label, 0)
+            kinds.append({"kind": kind, "calls_per_step": n / steps, "input_shape": list(inputs[kind].shape),
+                          "in_model_us_per_call": us / max(n, 1),
+                          "micro_us_per_call": 1e6 * micro[kind] if kind in micro else None})
     return {
         "seconds": {c: step_seconds * raw[c] / total for c in CATEGORIES},
         "busy_seconds_per_step": {c: raw[c] / 1e6 / steps for c in CATEGORIES},
         "attributed_fraction": claimed,
         "profiled_steps": steps,
+        "matmul_kinds": kinds,
+        **({"micro_error": micro_error} if micro_error else {}),
         "top_kernels": [{"name": name, "category": cat, "us_per_step": us / steps, "launches_per_step": n / steps}
                         for (name, cat), (us, n) in sorted(top.items(), key=lambda kv: -kv[1][0])[:15]],
     }
@@ -542,6 +615,10 @@ def run_model(spec: ModelSpec, kernels: Kernels, device: str, settings: Settings
             + ("; breakdown ms " + " ".join(f"{c}={1e3 * v:.3f}" for c, v in row["breakdown"].items())
                if row["breakdown"] else f"; no breakdown: {row['breakdown_detail'].get('error')}")
             + ("" if row["graph"] or device == "cpu" else f"; NO GRAPH: {row.get('capture_error')}"))
+        for kind in row["breakdown_detail"].get("matmul_kinds", []):
+            if kind["micro_us_per_call"]:
+                log(f"  {kind['kind']}: {kind['calls_per_step']:g} calls/step, in the model "
+                    f"{kind['in_model_us_per_call']:.1f} us/call, alone {kind['micro_us_per_call']:.1f} us/call")
     del model
     if device != "cpu":
         torch.cuda.empty_cache()
@@ -642,6 +719,9 @@ METHOD = {
                  "Attention minus its projections -> attention: RoPE, KV-cache write, GQA repeat_kv, SDPA; "
                  "anything else -> rest); shares of kernel time scaled to the graph step time "
                  "(busy_seconds_per_step holds the unscaled eager kernel time)",
+    "matmul_kinds": "per matmul kind (q_proj ... or the fused qkv / gate_up+swiglu, lm_head): its kernels' time per call "
+                    "in those profiled steps, beside the same call alone on the input shape it gets in the model, by "
+                    "CUDA-graph replay over the model's modules of that kind (L2-cold weights, as in the model)",
     "bytes": "see hubtools.e2e.decode.decode_bytes: actual = stored matrices (int4 codes + bf16 scales with padding, "
              "bf16 lm_head / tied embedding), biases, embedding row, norm weights, KV cache as the stock path moves "
              "it (static buffer of cache_len read, repeat_kv copy written and read); ideal = every matrix incl. "
