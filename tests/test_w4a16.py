@@ -404,14 +404,16 @@ def _check_swiglu_launch(k, fmt, zero_point, group_size, kk, config, dtype):
 
 def test_resolve_pairs_gate_up_rows_for_swiglu(k):
     """With the epilogue every program holds whole 16-row blocks: the GEMVs' 8-row tiles (their own or the packed
-    GEMV's) become 16, larger tiles and the other paths keep theirs; without it the plan is unchanged."""
+    GEMV's) become 16 with half the K-tiles (the same words per thread), larger tiles and the other paths keep
+    theirs; without it the plan is unchanged."""
     x16 = torch.zeros(1, 256, dtype=torch.float16)
     gemv = {"kernel": "gemv", "block_n": 8, "tiles": 4, "split_k": 2, "num_warps": 4,
             "half2": {"block_n": 8, "tiles": 8, "split_k": 1}}
     resolve = k.tuning.resolve
-    assert resolve(gemv, x16, None, 128, swiglu=True) == {**resolve(gemv, x16, None, 128), "block_n": 16,
+    assert resolve(gemv, x16, None, 128, swiglu=True) == {**resolve(gemv, x16, None, 128), "block_n": 16, "tiles": 4,
                                                           "swiglu": True}
-    assert resolve(gemv, x16, None, 32, swiglu=True) == {**resolve(gemv, x16, None, 32), "block_n": 16, "swiglu": True}
+    assert resolve(gemv, x16, None, 32, swiglu=True) == {**resolve(gemv, x16, None, 32), "block_n": 16, "tiles": 2,
+                                                         "swiglu": True}
     assert resolve({**gemv, "block_n": 64}, x16, None, 32, swiglu=True)["block_n"] == 64
     for config in ({"kernel": "dot", "block_m": 16, "block_n": 64, "packed": True},
                    {"kernel": "dequant", "chunk_n": 8}):

@@ -171,11 +171,16 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bo
     plan = _format_plan(config, x, codebook, group_size)
     if not swiglu:
         return plan
-    if "block_n" in plan:
+    if "block_n" in plan and plan["block_n"] < 2 * GATE_UP_BLOCK:
         # A program pairs gate row 16 b + i with up row 16 b + 8 + i (`formats.GATE_UP_BLOCK`), so it needs whole
-        # 16-row blocks: the GEMVs' 8-row tiles become 16 (the dot tiles have 16 or more already). The dequantize
-        # path applies the epilogue after its matmul, whatever its row chunks.
-        plan["block_n"] = max(plan["block_n"], 2 * GATE_UP_BLOCK)
+        # 16-row blocks: the GEMVs' 8-row tiles become 16 (the dot tiles have 16 or more already), with half the
+        # K-tiles per iteration so a thread holds as many words as the tuned tile (8 x 8 -> 16 x 4: 64 registers
+        # for the packed-fp16 GEMV, where 16 x 8 takes 80; at M = 1 the fewest registers won, E1c). The
+        # dequantize path applies the epilogue after its matmul, whatever its row chunks.
+        widen = 2 * GATE_UP_BLOCK // plan["block_n"]
+        plan["block_n"] *= widen
+        if "tiles" in plan:
+            plan["tiles"] = max(1, plan["tiles"] // widen)
     return {**plan, "swiglu": True}
 
 
