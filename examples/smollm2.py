@@ -34,7 +34,6 @@ import gc
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 import sys
 import tempfile
@@ -42,7 +41,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -50,10 +48,11 @@ sys.path.insert(0, str(ROOT))
 from hubtools.measure import environment  # noqa: E402
 from hubtools.build import build_kernel, load_build  # noqa: E402
 from hubtools.e2e.norms import kernelize_rmsnorm  # noqa: E402
+from hubtools.e2e.quality import (TEXT, TEXT_METHOD, calibration_batches, linear_weight_bytes, load_text,  # noqa: E402
+                                   perplexity, quantize, storage_bytes)
 from hubtools.workspace import Workspace  # noqa: E402
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TEXT = ROOT / "examples" / "data" / "alice-chapter1.txt"
 PROMPT = "Explain in two sentences why the sky is blue."
 DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "e2e-smollm2-results.json"
 
@@ -116,8 +115,7 @@ def main() -> None:
                   "dtype": args.dtype, "lm_head": "tied to the token embedding; not quantized"},
         "kernels": kernel_info,
         "text": {"file": TEXT.relative_to(ROOT).as_posix(), "tokens": ids.numel(), "window": args.window,
-                 "stride": args.stride, "method": "sliding windows; each token after the first scored once, "
-                 "with at least window - stride tokens of context outside the first window"},
+                 "stride": args.stride, "method": TEXT_METHOD},
         "prompt": PROMPT,
         "calibration": {**CALIBRATION, "method": "multinomial sampling (temperature 1) from the unquantized "
                         "model, starting at its BOS token; used by the *-gptq variants only"},
@@ -172,13 +170,6 @@ def load_smollm2(dtype: torch.dtype):
     return model.to(dtype).eval(), tokenizer
 
 
-def load_text(tokenizer, max_tokens: int | None) -> torch.Tensor:
-    """Token ids of the evaluation text (its first line, naming the source, left out)."""
-    text = TEXT.read_text().split("\n", 1)[1].strip()
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
-    return ids[:max_tokens]
-
-
 def load_kernels(source: str, org: str, build_dir: Path):
     """(the rmsnorm layer repository for kernelize, the w4a16 kernel module, a description of both)."""
     import kernels
@@ -200,18 +191,6 @@ def load_kernels(source: str, org: str, build_dir: Path):
 
 
 # --------------------------------------------------------------------------------------------- one variant
-
-
-@torch.inference_mode()
-def calibration_batches(model, tokenizer, device, sequences: int, tokens: int, seed: int) -> list[torch.Tensor]:
-    """GPTQ calibration text written by the model itself: `sequences` sampled continuations of its BOS token, in
-    batches of 4 (deterministic for `seed` on one machine)."""
-    torch.manual_seed(seed)
-    bos = torch.full((sequences, 1), tokenizer.bos_token_id, dtype=torch.long, device=device)
-    out = copy.deepcopy(model).to(device).generate(
-        bos, do_sample=True, temperature=1.0, top_p=None, top_k=None, max_new_tokens=tokens - 1,
-        min_new_tokens=tokens - 1, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    return list(out.split(4))
 
 
 def run_variant(name, spec, model, tokenizer, ids, rmsnorm_layer, w4a16, device, args, calibration) -> dict:
@@ -261,32 +240,6 @@ def run_variant(name, spec, model, tokenizer, ids, rmsnorm_layer, w4a16, device,
     }
 
 
-def quantize(model, w4a16, fmt: str, group_size: int, zero_point: bool, calibration=None) -> dict[int, int]:
-    """`w4a16.quantize_model` on every nn.Linear but lm_head (GPTQ on `calibration` when given); returns
-    {group size: layers}.
-
-    The kernel needs in_features divisible by the group size. SmolLM2's hidden size is 576 = 4.5 x 128, so at
-    group size 128 only down_proj (in_features 1536) qualifies; the others get the largest group size the
-    kernel takes that divides their in_features (64 for 576), in a second pass.
-    """
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    misfits = [n for n, m in linears.items() if group_size > 0 and m.in_features % group_size]
-    w4a16.quantize_model(model, group_size, skip=("lm_head", *misfits), zero_point=zero_point, fmt=fmt,
-                         calibration=calibration)
-    counts = {group_size: len(linears) - len(misfits)}
-    for fallback in (64, 32):
-        fits = [n for n in misfits if linears[n].in_features % fallback == 0]
-        rest = [n for n in linears if n not in fits]
-        if fits:
-            w4a16.quantize_model(model, fallback, skip=("lm_head", *rest), zero_point=zero_point, fmt=fmt,
-                                 calibration=calibration)
-            counts[fallback] = len(fits)
-        misfits = [n for n in misfits if n not in fits]
-    if misfits:
-        raise ValueError(f"no supported group size divides in_features of {misfits}")
-    return {g: n for g, n in counts.items() if n}
-
-
 # --------------------------------------------------------------------------------------------- measurements
 
 
@@ -306,49 +259,6 @@ def generate(model, tokenizer, device: torch.device, new_tokens: int) -> tuple[s
     seconds = time.perf_counter() - start
     new = out[0, inputs["input_ids"].shape[1]:]
     return tokenizer.decode(new, skip_special_tokens=True).strip(), new.numel(), new.numel() / seconds
-
-
-@torch.inference_mode()
-def perplexity(model, ids: torch.Tensor, window: int, stride: int) -> float:
-    """exp(mean negative log-likelihood) over tokens 1..n-1 of `ids`, each scored once.
-
-    Windows of `window` tokens start every `stride` tokens; a window scores only the tokens no earlier
-    window scored, so every token outside the first window is predicted from at least window - stride
-    tokens of context (with window == stride: independent chunks).
-    """
-    total, count, scored_until = 0.0, 0, 1  # token 0 has no context to be predicted from
-    for start in range(0, ids.numel() - 1, stride):
-        end = min(start + window, ids.numel())
-        logits = model(ids[None, start:end]).logits[0, :-1].float()
-        targets = ids[start + 1:end]
-        first = scored_until - (start + 1)  # index of the first target not scored yet
-        total += F.cross_entropy(logits[first:], targets[first:], reduction="sum").item()
-        count += targets.numel() - first
-        scored_until = end
-        if end == ids.numel():
-            break
-    return math.exp(total / count)
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of distinct tensors (a tied weight counts once)."""
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            seen[(t.data_ptr(), t.numel(), t.dtype)] = t.numel() * t.element_size()
-    return sum(seen.values())
-
-
-def linear_weight_bytes(model, w4a16) -> int:
-    """Storage of the linear layers that quantization replaces: 4-bit weights with their scales, zero
-    points, codebook and padding, or the float weights of the unquantized model."""
-    tensors = []
-    for name, module in model.named_modules():
-        if isinstance(module, w4a16.W4A16Linear):
-            tensors += list(module.buffers()) + list(module.parameters())
-        elif isinstance(module, torch.nn.Linear) and name != "lm_head":
-            tensors += list(module.parameters())
-    return storage_bytes(tensors)
 
 
 def synchronize(device: torch.device) -> None:

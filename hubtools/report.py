@@ -3,8 +3,9 @@
 A kernel results file (written by scripts/bench.py) holds the environment stamp, the ceilings measured in
 the same run and one row per (case, implementation). Goals are evaluated here, from the rows, by the
 functions registered below: each kernel's bench module (`hubtools.bench.BENCHMARKS`), the decode run's
-(`hubtools.e2e.decode.goals`) and SmolLM2's (`smollm2_goals`), so every number on a page comes from a
-measurement and re-rendering never needs the GPU. `report_main` is the entry point behind scripts/report.py.
+(`hubtools.e2e.decode.goals`), SmolLM2's (`smollm2_goals`) and Gemma-3's (`gemma3_goals`), so every number on a
+page comes from a measurement and re-rendering never needs the GPU. `report_main` is the entry point behind
+scripts/report.py.
 """
 
 from __future__ import annotations
@@ -399,6 +400,78 @@ def smollm2_goals(results: dict) -> list[dict]:
             for r in results["rows"] if r["variant"] == "int4-g128-zp"]
 
 
+GPTQ_INCREASE_GOAL = 0.5  # GPTQ at int4 g128: at most half of round-to-nearest's perplexity increase
+
+
+def gemma3_section(results: dict) -> list[str]:
+    """examples/gemma3.py: perplexity of each format and group size, round-to-nearest beside GPTQ."""
+    env, text, model, calibration = results["env"], results["text"], results["model"], results["calibration"]
+    types = "; ".join(f"{kind} {', '.join(f'{t} x{n}' for t, n in counts.items())}"
+                      for kind, counts in model["tensor_types"].items() if kind.startswith(("attn_", "ffn_"))
+                      and not kind.endswith("norm"))
+    lines = [
+        f"## Re-quantization quality: Gemma-3-270M on CPU ({env.get('cpu_threads', '?')} threads)",
+        "",
+        f"`examples/gemma3.py`: {model['package']} ({model['gguf_file']}), whose linear weights are mostly wider "
+        f"than 4 bits (GGUF types per tensor: {types}); the 'unquantized' baseline is that file dequantized to "
+        f"{model['dtype']}. Linear layers re-quantized with w4a16 (lm_head: {model['lm_head']}); RMSNorm keeps "
+        "transformers' forward (Gemma's x * (1 + weight) has no hub kernel mapping). Perplexity on "
+        f"`{text['file']}` (first {text['tokens']} tokens, {text['method']}, window {text['window']}, stride "
+        f"{text['stride']}). GPTQ: w4a16's, calibrated on {calibration['sequences']} sequences of "
+        f"{calibration['tokens']} tokens ({calibration['method']}, seed {calibration['seed']}). Measured "
+        f"{env['date']} (torch {env['torch']}, transformers {env['transformers']}); command: `{env['command']}`.",
+        "",
+    ]
+    rows = {r["variant"]: r for r in results["rows"]}
+    base = rows.get("unquantized")
+    if base is not None:
+        lines += [f"Unquantized ({model['dtype']}): perplexity {base['perplexity']:.3f}, linear weights "
+                  f"{base['weight_bytes'] / 1e6:.1f} MB.", ""]
+    lines += ["| format | group | round-to-nearest | vs unquantized | GPTQ | vs unquantized | "
+              "GPTQ increase / RTN increase | linear weights MB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, rtn in rows.items():
+        if rtn["method"] != "round-to-nearest":
+            continue
+        gptq = rows.get(f"{name}-gptq")
+        fmt = f"{rtn['format']} {'zero-point' if rtn['zero_point'] else 'symmetric'}" if rtn["format"] == "int4" \
+            else rtn["format"]
+        cells = [f"{rtn['perplexity']:.3f}", f"{rtn['ppl_ratio_vs_unquantized']:.3f}x"]
+        cells += ([f"{gptq['perplexity']:.3f}", f"{gptq['ppl_ratio_vs_unquantized']:.3f}x",
+                   f"{increase_ratio(base, rtn, gptq):.2f}"] if gptq and base else ["-", "-", "-"])
+        lines.append(f"| {fmt} | {rtn['group_size']} | {' | '.join(cells)} | {rtn['weight_bytes'] / 1e6:.1f} |")
+    missing = [v for v in ("int4-g128-zp", "int4-g128", "int4-g64-zp", "int4-g64", "nf4-g64", "nf4-g128")
+               for v in (v, f"{v}-gptq") if v not in rows]
+    if missing:
+        lines += ["", f"Not measured in this run: {', '.join(missing)}."]
+    for g in gemma3_goals(results):
+        lines += ["", f"Goal ({g['case']}): {g['goal']} ≤ {g['target']}: measured {g['value']:.3f}, "
+                      f"{'met' if g['met'] else '**missed**'}."]
+    return lines + [""]
+
+
+def increase_ratio(base: dict, rtn: dict, gptq: dict) -> float:
+    """GPTQ's perplexity increase over the unquantized model as a fraction of round-to-nearest's."""
+    return (gptq["perplexity"] - base["perplexity"]) / (rtn["perplexity"] - base["perplexity"])
+
+
+def gemma3_goals(results: dict) -> list[dict]:
+    """The issue's GPTQ goals at int4 g128, for zero-point and symmetric groups."""
+    rows = {r["variant"]: r for r in results["rows"]}
+    base, out = rows.get("unquantized"), []
+    for name in ("int4-g128-zp", "int4-g128"):
+        rtn, gptq = rows.get(name), rows.get(f"{name}-gptq")
+        if base is None or rtn is None or gptq is None:
+            continue
+        ratio = increase_ratio(base, rtn, gptq)
+        out += [{"goal": "int4 g128 GPTQ perplexity increase / round-to-nearest's", "case": f"Gemma-3-270M {name}",
+                 "value": ratio, "target": GPTQ_INCREASE_GOAL, "at_most": True, "met": ratio <= GPTQ_INCREASE_GOAL},
+                {"goal": "int4 g128 GPTQ perplexity / unquantized", "case": f"Gemma-3-270M {name}-gptq",
+                 "value": gptq["ppl_ratio_vs_unquantized"], "target": PPL_GOAL, "at_most": True,
+                 "met": gptq["ppl_ratio_vs_unquantized"] <= PPL_GOAL}]
+    return out
+
+
 def load(path: Path) -> dict:
     """A results file, with "name" set from its file name (<name>-results.json)."""
     return {**json.loads(path.read_text()), "name": path.name.removesuffix("-results.json")}
@@ -436,6 +509,11 @@ def report_main(argv: list[str] | None = None) -> int:
         smollm2 = load(smollm2_file)
         e2e_goals[f"SmolLM2 (e2e, {smollm2['env']['gpu']})"] = smollm2_goals(smollm2)
         sections += smollm2_section(smollm2)
+    gemma3_file = DOCS / "e2e-gemma3-cpu-results.json"
+    if gemma3_file.exists():
+        gemma3 = load(gemma3_file)
+        e2e_goals["Gemma-3-270M (e2e, cpu)"] = gemma3_goals(gemma3)
+        sections += gemma3_section(gemma3)
     page = REPO_ROOT / "docs" / "RESULTS.md"
     page.write_text(package_page(all_results, sections, f"benchmarks/{plot.name}", e2e_goals))
     print(f"wrote {page}")

