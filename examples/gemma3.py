@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hubtools.build import build_kernel, load_build  # noqa: E402
-from hubtools.e2e.quality import (TEXT, TEXT_METHOD, calibration_batches, linear_weight_bytes, load_text,  # noqa: E402
-                                  perplexity, quantize)
+from hubtools.e2e.quality import (TEXT, TEXT_METHOD, add_text_args, calibration_batches, check_text_args,  # noqa: E402
+                                  linear_weight_bytes, load_text, log, perplexity, quantize)
 from hubtools.measure import environment  # noqa: E402
 from hubtools.workspace import Workspace  # noqa: E402
 
@@ -104,18 +104,11 @@ def main() -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--max-tokens", type=int, default=1024, help="use only the first N tokens of the text")
-    parser.add_argument("--window", type=int, default=512, help="perplexity window (tokens)")
-    parser.add_argument("--stride", type=int, default=512, help="perplexity stride (tokens)")
+    add_text_args(parser, max_tokens=1024, window=512, stride=512)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
-    if not 0 < args.stride <= args.window:
-        parser.error("need 0 < --stride <= --window")
+    check_text_args(parser, args)
     return args
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def load_gemma3():

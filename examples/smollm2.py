@@ -48,8 +48,9 @@ sys.path.insert(0, str(ROOT))
 from hubtools.measure import environment  # noqa: E402
 from hubtools.build import build_kernel, load_build  # noqa: E402
 from hubtools.e2e.norms import kernelize_rmsnorm  # noqa: E402
-from hubtools.e2e.quality import (TEXT, TEXT_METHOD, calibration_batches, linear_weight_bytes, load_text,  # noqa: E402
-                                   perplexity, quantize, storage_bytes)
+from hubtools.e2e.quality import (TEXT, TEXT_METHOD, add_text_args, calibration_batches,  # noqa: E402
+                                   check_text_args, linear_weight_bytes, load_text, log, perplexity, quantize,
+                                   storage_bytes)
 from hubtools.workspace import Workspace  # noqa: E402
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -135,22 +136,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of the text")
+    add_text_args(parser, max_tokens=None, window=1024, stride=512)
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens to generate")
-    parser.add_argument("--window", type=int, default=1024, help="perplexity window (tokens)")
-    parser.add_argument("--stride", type=int, default=512, help="perplexity stride (tokens)")
     parser.add_argument("--kernels", default="auto", choices=["auto", "hub", "local"],
                         help="auto: the hub when HF_ENDPOINT is set, else a local build")
     parser.add_argument("--org", default=Workspace.load(ROOT).org, help="hub org of the kernel repos")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
-    if not 0 < args.stride <= args.window:
-        parser.error("need 0 < --stride <= --window")
+    check_text_args(parser, args)
     return args
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------- loading

@@ -326,10 +326,10 @@ def _labels(model: nn.Module) -> dict:
     return labels
 
 
-def _annotate(model: nn.Module) -> list:
+def _annotate(labels: dict) -> list:
     """Forward hooks that wrap each categorized module's call in a profiler range `e2e::<label>` (`_labels`)."""
     stack, handles = [], []
-    for module, label in _labels(model).items():
+    for module, label in labels.items():
         def pre(mod, args, label=label):
             rf = torch.profiler.record_function(ANNOTATION + label)
             rf.__enter__()
@@ -392,11 +392,11 @@ def attribute(events, on_device: bool) -> tuple[dict, float, dict, dict]:
     return raw, 1.0, top, calls
 
 
-def _matmul_microbenchmarks(model: nn.Module, x_by_kind: dict) -> dict:
+def _matmul_microbenchmarks(labels: dict, x_by_kind: dict) -> dict:
     """{kind: seconds per call} of each matmul kind alone, on the input shape it gets in the model, by CUDA-graph
     replay rotating over the model's modules of that kind (each layer's own weight, so L2-cold as in the model)."""
     modules: dict = {}
-    for module, label in _labels(model).items():
+    for module, label in labels.items():
         if label.startswith("matmul/"):
             modules.setdefault(label.partition("/")[2], []).append(module)
     seconds = {}
@@ -407,10 +407,10 @@ def _matmul_microbenchmarks(model: nn.Module, x_by_kind: dict) -> dict:
     return seconds
 
 
-def _capture_matmul_inputs(model: nn.Module) -> tuple[dict, list]:
+def _capture_matmul_inputs(labels: dict) -> tuple[dict, list]:
     """Hooks that keep one input (a fresh random tensor of its shape and dtype) per matmul kind."""
     inputs, handles = {}, []
-    for module, label in _labels(model).items():
+    for module, label in labels.items():
         if label.startswith("matmul/"):
             def pre(mod, args, kind=label.partition("/")[2]):
                 if kind not in inputs:
@@ -428,7 +428,8 @@ def profile_breakdown(decoder: Decoder, steps: int, step_seconds: float) -> dict
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     model = decoder.model
     decoder.reset()
-    inputs, hooks = _capture_matmul_inputs(model)
+    labels = _labels(model)
+    inputs, hooks = _capture_matmul_inputs(labels)
     try:
         with torch.no_grad():
             decoder._step()  # warm (outside the profile)
@@ -436,7 +437,7 @@ def profile_breakdown(decoder: Decoder, steps: int, step_seconds: float) -> dict
         for h in hooks:
             h.remove()
     decoder.reset()
-    handles = _annotate(model)
+    handles = _annotate(labels)
     try:
         with torch.no_grad(), profile(activities=activities) as prof:
             for _ in range(steps):
@@ -456,7 +457,7 @@ def profile_breakdown(decoder: Decoder, steps: int, step_seconds: float) -> dict
     micro, micro_error = {}, None
     if on_device:
         try:
-            micro = _matmul_microbenchmarks(model, inputs)
+            micro = _matmul_microbenchmarks(labels, inputs)
         except Exception as exc:  # noqa: BLE001  (a failed microbenchmark must not lose the breakdown)
             micro_error = f"{type(exc).__name__}: {exc}"[:300]
     kinds = []

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,22 @@ from ..workspace import REPO_ROOT
 TEXT = REPO_ROOT / "examples" / "data" / "alice-chapter1.txt"
 TEXT_METHOD = ("sliding windows; each token after the first scored once, with at least window - stride tokens "
                "of context outside the first window")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def add_text_args(parser: argparse.ArgumentParser, max_tokens: int | None, window: int, stride: int) -> None:
+    """The quality examples' text options (their defaults differ per model)."""
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="use only the first N tokens of the text")
+    parser.add_argument("--window", type=int, default=window, help="perplexity window (tokens)")
+    parser.add_argument("--stride", type=int, default=stride, help="perplexity stride (tokens)")
+
+
+def check_text_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not 0 < args.stride <= args.window:
+        parser.error("need 0 < --stride <= --window")
 
 
 def load_text(tokenizer, max_tokens: int | None) -> torch.Tensor:

@@ -156,9 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     # running_hub() reads this line to learn the port.
     print(f"kernel hub: serving {hub.store.data_dir} at http://{host}:{port}", flush=True)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a foreground hub is stopped
+            server.serve_forever()
     finally:
         server.server_close()
     return 0
@@ -216,11 +215,10 @@ def _wait_until_serving(process: subprocess.Popen, timeout: float) -> str:
     while True:
         connection = http.client.HTTPConnection(host, port, timeout=5)  # direct: proxy settings do not apply
         try:
-            connection.request("GET", "/api/organizations/probe/overview")
-            if connection.getresponse().status == 200:
-                return endpoint
-        except OSError:
-            pass
+            with contextlib.suppress(OSError):  # not accepting connections yet: asked again until the deadline
+                connection.request("GET", "/api/organizations/probe/overview")
+                if connection.getresponse().status == 200:
+                    return endpoint
         finally:
             connection.close()
         if time.monotonic() > deadline:
