@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import copy
 import gc
 import importlib.metadata
@@ -135,9 +134,8 @@ def run_variant(name, spec, model, tokenizer, ids, w4a16, args, calibration) -> 
     group_sizes, quantize_s = {}, None
     if spec is not None:
         t = time.perf_counter()
-        with layer_type_rotary_embeddings(model):
-            group_sizes = quantize(model, w4a16, spec["fmt"], spec["group_size"], spec["zero_point"],
-                                   calibration if spec.get("gptq") else None)
+        group_sizes = quantize(model, w4a16, spec["fmt"], spec["group_size"], spec["zero_point"],
+                               calibration if spec.get("gptq") else None)
         quantize_s = round(time.perf_counter() - t, 1)
         log(f"  quantized {sum(group_sizes.values())} linear layers in {quantize_s} s (per group size: {group_sizes})")
     t = time.perf_counter()
@@ -157,33 +155,6 @@ def run_variant(name, spec, model, tokenizer, ids, w4a16, args, calibration) -> 
         "quantize_s": quantize_s,
         "perplexity_s": perplexity_s,
     }
-
-
-@contextlib.contextmanager
-def layer_type_rotary_embeddings(model):
-    """While active, every decoder layer gets the rotary embeddings of its own attention type.
-
-    GPTQ (`w4a16.calibrate_model`) captures the first decoder layer's keyword arguments and replays them into
-    every layer. Gemma 3 gives its sliding-window layers RoPE base 10^4 and its full-attention layers (every
-    sixth) base 10^6, so the replayed embeddings would be wrong for the full-attention layers; this hook
-    recomputes them from the layer's `position_ids`. (The masks agree while calibration sequences fit in the
-    sliding window, see CALIBRATION.)"""
-    inner = model.model
-
-    def hook(layer_type):
-        def recompute(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            kwargs["position_embeddings"] = inner.rotary_emb(hidden, kwargs["position_ids"], layer_type)
-            return args, kwargs
-        return recompute
-
-    handles = [layer.register_forward_pre_hook(hook(layer_type), with_kwargs=True)
-               for layer, layer_type in zip(inner.layers, model.config.layer_types)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def print_table(results: dict) -> None:

@@ -47,10 +47,18 @@ def built_kernel_dir(workspace, tmp_path_factory):
 def load_kernel(built_kernel_dir):
     """`load_kernel("rmsnorm")` -> the kernel module, imported from its build by kernels.get_local_kernel."""
     loaded = {}
+    # Triton picks interpreted or compiled kernels when the module is imported; a test that sets
+    # TRITON_INTERPRET=0 for its own calls must not decide that for the rest of the session.
+    interpret = os.environ.get("TRITON_INTERPRET")
 
     def get(name: str):
         if name not in loaded:
-            loaded[name] = load_build(built_kernel_dir(name))
+            with pytest.MonkeyPatch.context() as env:
+                if interpret is None:
+                    env.delenv("TRITON_INTERPRET", raising=False)
+                else:
+                    env.setenv("TRITON_INTERPRET", interpret)
+                loaded[name] = load_build(built_kernel_dir(name))
         return loaded[name]
 
     return get

@@ -1,11 +1,13 @@
 """examples/gemma3.py's code path on a tiny random Gemma-3 text model (no download): the shared perplexity with a
-BOS token before every window, the per-layer-type rotary embeddings GPTQ needs, and one variant end to end
+BOS token before every window, GPTQ's calibration giving each layer its own rotary embeddings, and one variant end to end
 (round-to-nearest and GPTQ through the built w4a16 kernel, on its PyTorch path as on a user's CPU).
 
 The real run (examples/gemma3.py on the 270M GGUF) takes many minutes on a CPU and is not part of CI; its
 numbers are in docs/benchmarks/e2e-gemma3-cpu-results.json.
 """
 
+import collections
+import copy
 import importlib.util
 import math
 from pathlib import Path
@@ -63,30 +65,33 @@ def test_perplexity_prepends_bos_to_each_window(tiny_gemma3):
     assert chunks == pytest.approx(math.exp(nll.item() / 38), rel=1e-6)
 
 
-def test_replayed_layer_inputs_get_their_own_rotary_embeddings(tiny_gemma3):
-    """GPTQ replays the first layer's keyword arguments into every layer; under the context manager a
-    full-attention layer then runs as it does in the model's own forward."""
-    example = load_example()
-    captured = {}
+def test_calibration_feeds_each_layer_its_own_keyword_arguments(tiny_gemma3, load_kernel, monkeypatch):
+    """Gemma 3's full-attention layers (every sixth) get other rotary embeddings than its sliding-window ones:
+    GPTQ's replay must pass each layer the keyword arguments the model's own forward gives it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    w4a16 = load_kernel("w4a16")
+    model = copy.deepcopy(tiny_gemma3)  # the fixture is shared
+    batch = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+    seen = collections.defaultdict(list)
     handles = [layer.register_forward_pre_hook(
-        lambda module, args, kwargs, i=i: captured.setdefault(i, (args, dict(kwargs))), with_kwargs=True)
-        for i, layer in enumerate(tiny_gemma3.model.layers)]
+        lambda module, args, kwargs, i=i: seen[i].append(kwargs["position_embeddings"]), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)]
     try:
-        with torch.inference_mode():
-            tiny_gemma3(torch.randint(3, 256, (1, 12)))
+        with torch.no_grad():
+            model(batch)
+        own = {i: calls[0] for i, calls in seen.items()}
+        seen.clear()
+        w4a16.quantize_model(model, 64, calibration=[batch], fuse=False)
     finally:
         for h in handles:
             h.remove()
-    full = tiny_gemma3.model.layers[5]
-    own_args, own_kwargs = captured[5]
-    first_kwargs = captured[0][1]
-    with torch.inference_mode():
-        expected = full(*own_args, **own_kwargs)
-        replayed = full(*own_args, **first_kwargs)
-        with example.layer_type_rotary_embeddings(tiny_gemma3):
-            fixed = full(*own_args, **first_kwargs)
-    assert not torch.equal(replayed, expected)  # the sliding layers' RoPE base is wrong here
-    torch.testing.assert_close(fixed, expected, rtol=0, atol=0)
+    assert not torch.equal(own[5][0], own[0][0])  # the two RoPE bases differ: the check below can fail
+    for i, calls in seen.items():
+        assert len(calls) >= 3  # capture, Hessians, outputs for the next layer
+        for cos, sin in calls:
+            torch.testing.assert_close(cos, own[i][0], rtol=0, atol=0)
+            torch.testing.assert_close(sin, own[i][1], rtol=0, atol=0)
+    assert sum(isinstance(m, w4a16.W4A16Linear) for m in model.modules()) == 42
 
 
 @pytest.mark.parametrize("gptq", [False, True])

@@ -189,7 +189,7 @@ def fuse_projections(model: nn.Module) -> nn.Module:
 
 
 class _Stop(Exception):
-    """Raised by the hook that captures the first decoder layer's inputs, to end the forward pass there."""
+    """Raised by the last decoder layer's stand-in forward, to end a capturing pass there."""
 
 
 def _next_inputs(out, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -227,36 +227,21 @@ def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 1
                     damp: float = 0.01) -> nn.Module:
     """GPTQ for every ``nn.Linear`` inside the model's decoder layers whose name does not match `skip`, in place;
     returns `model`. `calibration`: model inputs (token-id tensors ``[batch, seq]`` or dicts of keyword
-    arguments), run once up to the first decoder layer; each layer then runs on the stored activations, its
-    Hessians are collected, its linears quantized, and it runs again to feed the next layer. Linears outside
+    arguments), run once to record each decoder layer's call; each layer then runs on the stored activations
+    with its own keyword arguments, its Hessians are collected, its linears quantized, and it runs again to
+    feed the next layer. Linears outside
     the decoder layers (``lm_head``) are left as they are."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     skip = _skip_names(skip)
     layers = _decoder_layers(model)
-    captured: list[tuple[tuple, dict]] = []
-
-    def capture(module, args, kwargs):
-        captured.append((args, kwargs))
-        raise _Stop
-
-    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-    handle = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            for batch in calibration:
-                with contextlib.suppress(_Stop):  # `capture` ends the pass at the first decoder layer
-                    if isinstance(batch, dict):
-                        model(**batch, **no_cache)
-                    else:
-                        model(batch, **no_cache)
-    finally:
-        handle.remove()
-    if not captured:
-        raise ValueError("calibration yielded no inputs")
+    captured = _layer_calls(model, layers, calibration)
 
     prefix = {layer: name for name, layer in model.named_modules()}
-    for layer in layers:
+    inputs = [calls[0] for calls in captured]  # layer 0's calls, with the embeddings as hidden states
+    for index, layer in enumerate(layers):
+        if index:  # this layer's own keyword arguments (masks, rotary embeddings), the last layer's outputs
+            inputs = [_next_inputs(out, calls[index][0], calls[index][1]) for out, calls in zip(outputs, captured)]
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)
                    and not _skipped(f"{prefix[layer]}.{name}", skip)}
         reads = _shared_inputs(layer, linears)
@@ -272,7 +257,7 @@ def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 1
         hooks = [linears[name].register_forward_pre_hook(accumulate(name)) for name in hessians]
         try:
             with torch.no_grad():
-                for args, kwargs in captured:
+                for args, kwargs in inputs:
                     layer(*args, **kwargs)
         finally:
             for h in hooks:
@@ -282,6 +267,48 @@ def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 1
                                act_order=act_order, damp=damp)
             _replace(layer, name, W4A16Linear(qw, m.bias))
         with torch.no_grad():  # the next layer sees this one's quantized outputs
-            outputs = [layer(*args, **kwargs) for args, kwargs in captured]
-        captured = [_next_inputs(out, args, kwargs) for out, (args, kwargs) in zip(outputs, captured)]
+            outputs = [layer(*args, **kwargs) for args, kwargs in inputs]
     return model
+
+
+def _layer_calls(model: nn.Module, layers: nn.ModuleList, calibration: Iterable) -> list[list[tuple[tuple, dict]]]:
+    """For each calibration batch, every decoder layer's call ``(args, kwargs)`` as the model makes it: each
+    layer gets its own keyword arguments (Gemma 3 gives sliding-window and full-attention layers different masks
+    and rotary embeddings). The layers do not run: while capturing, each one's forward records its call and
+    hands its hidden states on unchanged, and the pass stops at the last layer. Only layer 0's hidden states
+    are real; `calibrate_model` replaces the others with the previous layer's outputs."""
+    batches: list[list[tuple[tuple, dict]]] = []
+
+    def stand_in(index):
+        def forward(*args, **kwargs):
+            batches[-1].append((args, kwargs))
+            if index == len(layers) - 1:
+                raise _Stop
+            return args[0] if args else kwargs["hidden_states"]
+        return forward
+
+    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    own = [layer.__dict__.get("forward") for layer in layers]  # a forward set on the instance, put back after
+    for index, layer in enumerate(layers):
+        layer.forward = stand_in(index)  # an instance attribute: nn.Module.__call__ runs it, hooks included
+    try:
+        with torch.no_grad():
+            for batch in calibration:
+                batches.append([])
+                with contextlib.suppress(_Stop):
+                    if isinstance(batch, dict):
+                        model(**batch, **no_cache)
+                    else:
+                        model(batch, **no_cache)
+                if len(batches[-1]) != len(layers):
+                    raise ValueError(f"a calibration pass called {len(batches[-1])} of the model's {len(layers)} "
+                                     "decoder layers; calibrate_model needs every layer called once per pass")
+    finally:
+        for layer, forward in zip(layers, own):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
+    if not batches:
+        raise ValueError("calibration yielded no inputs")
+    return batches
