@@ -1,4 +1,5 @@
-"""Batch-1 greedy decode tokens/s of whole models, bf16 vs w4a16 (+ rmsnorm): `python scripts/e2e_decode.py`.
+"""Batch-1 greedy decode tokens/s of whole models, bf16 vs w4a16 (+ rmsnorm, + fused residual norms):
+`python scripts/e2e_decode.py`.
 
 `--tiny --device cpu` runs the same code on a CPU-sized model (no CUDA graphs, no timing claims).
 """

@@ -1,4 +1,5 @@
-"""rmsnorm on the GPU: full sizes against float64, torch.compile(fullgraph=True), CUDA graphs, kernelize.
+"""rmsnorm on the GPU: full sizes against float64, torch.compile(fullgraph=True), CUDA graphs, kernelize,
+fuse_residual_norms.
 
 Skipped without CUDA (conftest). Outputs come from the caching allocator, which is filled with NaN
 before each call (`poison_allocator`), so an element a kernel fails to write shows as NaN.
@@ -201,3 +202,60 @@ def test_kernelize_llama_on_cuda(k, built_kernel_dir, dtype):
     # Same rounding points as LlamaRMSNorm: fp32 agrees to rounding; bf16 to a few ulps after two layers.
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def _fused_llama_pair(k, layers=2):
+    """(a random bf16 tiny Llama on CUDA with its own random norm weights, a copy with fuse_residual_norms)."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+    torch.manual_seed(6)
+    stock = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, param in stock.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    fused = copy.deepcopy(stock)
+    assert k.fuse_residual_norms(fused) == 2 * layers
+    return stock, fused
+
+
+def test_fused_residual_norms_in_a_cuda_graph_and_compiled(k):
+    """fuse_residual_norms on CUDA: eager logits agree with the stock model's to bf16 rounding through two layers
+    (as kernelize's, above); one forward captured in a CUDA graph (the handoffs are Python state of the capture)
+    replays on new tokens to the eager fused logits; torch.compile(fullgraph=True) agrees with eager."""
+    stock, fused = _fused_llama_pair(k)
+    ids = torch.randint(0, 512, (1, 16), device="cuda")
+    with torch.no_grad():
+        want = stock(ids, use_cache=False).logits.float()
+        got = fused(ids, use_cache=False).logits.float()
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+    static_ids = ids.clone()
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # Triton compiles, cuBLAS handles, outside the capture
+            for _ in range(2):
+                fused(static_ids, use_cache=False)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fused(static_ids, use_cache=False).logits
+    assert all(layer.residual_norms.outgoing.source is None for layer in fused.model.layers)
+    new_ids = torch.randint(0, 512, (1, 16), device="cuda")
+    static_ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        eager = fused(new_ids, use_cache=False).logits
+    torch.testing.assert_close(captured, eager)
+
+    compiled = torch.compile(fused, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        got_compiled = compiled(new_ids, use_cache=False).logits.float()
+    # Inductor fuses and reorders the stock ops around the kernels (RoPE, SiLU * mul): bf16 rounding, not bits.
+    torch.testing.assert_close(got_compiled, eager.float(), rtol=3e-2, atol=3e-2 * eager.float().abs().max().item())

@@ -1,13 +1,16 @@
 """Batch-1 greedy decode of whole Llama-architecture models: bf16 against the w4a16 and rmsnorm kernels.
 
 Models are built from ``transformers.LlamaConfig`` with random weights (nothing is downloaded) at the
-shapes of Qwen2.5-1.5B and Llama-3-8B, in bf16. Each model runs three configurations, in this order on
+shapes of Qwen2.5-1.5B and Llama-3-8B, in bf16. Each model runs four configurations, in this order on
 the same weights:
 
 - ``bf16``: the stock ``transformers`` model;
 - ``w4a16``: ``w4a16.quantize_model`` (int4, symmetric, group 128) on every ``nn.Linear`` but ``lm_head``, q/k/v
   and gate/up fused into one matmul each (its default);
-- ``w4a16+rmsnorm``: that, plus ``kernels.kernelize`` mapping ``RMSNorm`` to the rmsnorm kernel's layer.
+- ``w4a16+rmsnorm``: that, plus ``kernels.kernelize`` mapping ``RMSNorm`` to the rmsnorm kernel's layer;
+- ``w4a16+rmsnorm+fused``: that, plus ``rmsnorm.fuse_residual_norms``: each residual add runs fused with the norm
+  after it (``residual + attn_out`` with the post-attention norm, ``residual + mlp_out`` with the next layer's input
+  norm or the final norm), one ``fused_add_rms_norm`` in place of an add and a norm.
 
 Protocol (one model at a time, one configuration at a time):
 
@@ -22,8 +25,9 @@ Protocol (one model at a time, one configuration at a time):
 4. Timing: ``steps`` graph replays between CUDA events, repeated ``reps`` times; the best pass is reported.
 5. Breakdown: a few eager decode steps under ``torch.profiler``; every CUDA kernel is assigned to the
    innermost annotated module that launched it (``nn.Linear`` / ``W4A16Linear`` / a ``GateUpMLP`` running the
-   SwiGLU epilogue -> matmul, ``*RMSNorm`` -> norms, ``*Attention`` minus its projections -> attention: RoPE,
-   KV-cache write, GQA repeat, SDPA; all else -> rest: embedding, residual adds, SiLU*mul, masks, argmax); the
+   SwiGLU epilogue -> matmul, ``*RMSNorm`` and the rmsnorm kernel's ops -> norms (so the fused residual adds, which
+   run inside the decoder layers, count as norms), ``*Attention`` minus its projections -> attention: RoPE,
+   KV-cache write, GQA repeat, SDPA; all else -> rest: embedding, unfused residual adds, SiLU*mul, masks, argmax); the
    categories' shares of kernel time are scaled to the graph step time, so they sum to it (launch gaps are
    spread pro rata).
    Each matmul kind's time per call there is set beside the same call alone (CUDA-graph replay over the
@@ -58,7 +62,7 @@ from .norms import kernelize_rmsnorm
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "e2e-decode-results.json"
 CPU_OUT = REPO_ROOT / "out" / "e2e-decode-cpu.json"  # git-ignored: CPU runs never overwrite GPU results
 
-CONFIGS = ("bf16", "w4a16", "w4a16+rmsnorm")
+CONFIGS = ("bf16", "w4a16", "w4a16+rmsnorm", "w4a16+rmsnorm+fused")
 CATEGORIES = ("matmul", "attention", "norms", "rest")
 GROUP_SIZE = 128
 ANNOTATION = "e2e::"
@@ -104,9 +108,11 @@ MODELS = {
 
 @dataclasses.dataclass
 class Kernels:
-    """The built kernels: the loaded w4a16 module and the rmsnorm build folder (holding ``build/``)."""
+    """The built kernels: the loaded w4a16 and rmsnorm modules, and the rmsnorm build folder (holding ``build/``,
+    for kernelize's ``LocalLayerRepository``)."""
 
     w4a16: object
+    rmsnorm: object
     rmsnorm_dir: Path
 
 
@@ -118,7 +124,7 @@ def load_kernels(tmp: Path) -> Kernels:
     workspace = Workspace.load()
     w4a16_dir = build_kernel(workspace.kernel("w4a16"), tmp)
     rmsnorm_dir = build_kernel(workspace.kernel("rmsnorm"), tmp)
-    return Kernels(w4a16=load_build(w4a16_dir), rmsnorm_dir=rmsnorm_dir)
+    return Kernels(w4a16=load_build(w4a16_dir), rmsnorm=load_build(rmsnorm_dir), rmsnorm_dir=rmsnorm_dir)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -152,19 +158,22 @@ def quantize(model: nn.Module, kernels: Kernels) -> nn.Module:
 def apply_config(model: nn.Module, config: str, kernels: Kernels, device: str, state: dict) -> dict:
     """Bring `model` (bf16, or already partly converted as recorded in `state`) to `config`, in place."""
     info = {}
-    if config in ("w4a16", "w4a16+rmsnorm") and not state.get("quantized"):
+    if config != "bf16" and not state.get("quantized"):
         started = time.perf_counter()
         quantize(model, kernels)
         if device != "cpu":
             torch.cuda.synchronize()
         state["quantized"] = True
         info["quantize_seconds"] = time.perf_counter() - started
-    if config == "w4a16+rmsnorm" and not state.get("kernelized"):
+    if config in ("w4a16+rmsnorm", "w4a16+rmsnorm+fused") and not state.get("kernelized"):
         from kernels import LocalLayerRepository
 
         repository = LocalLayerRepository(repo_path=kernels.rmsnorm_dir, layer_name="RMSNorm")
         info["norms_kernelized"], _ = kernelize_rmsnorm(model, repository, device)
         state["kernelized"] = True
+    if config == "w4a16+rmsnorm+fused" and not state.get("fused"):  # after kernelize, which would undo part of it
+        info["residual_adds_fused"] = kernels.rmsnorm.fuse_residual_norms(model)
+        state["fused"] = True
     if config == "bf16" and state:
         raise ValueError("bf16 must run before the model is converted")
     return info
@@ -342,10 +351,23 @@ def _annotate(labels: dict) -> list:
     return handles
 
 
+# The rmsnorm kernel's ops (op namespace `_rmsnorm_<build>`): fused with a residual add they run in a decoder layer's
+# own forward, not inside an RMSNorm module, so they are recognised by name.
+NORM_OPS = ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_inplace")
+
+
+def _is_norm_op(name: str) -> bool:
+    namespace, _, op = name.partition("::")
+    return namespace.startswith("_rmsnorm_") and op in NORM_OPS
+
+
 def _label_of(event) -> str:
+    """The label of the innermost annotated module (or rmsnorm op: "norms") around `event`, else "rest"."""
     while event is not None:
         if event.name.startswith(ANNOTATION):
             return event.name[len(ANNOTATION):]
+        if _is_norm_op(event.name):
+            return "norms"
         event = event.cpu_parent
     return "rest"
 
@@ -710,13 +732,15 @@ METHOD = {
               "default RoPE (the llama3 frequency scaling changes no shapes or bytes)",
     "configs": "bf16: stock model; w4a16: w4a16.quantize_model(group_size=128, skip=('lm_head',), "
                "zero_point=False, fmt='int4') (lm_head stays bf16; q/k/v and gate/up fused, its default); w4a16+rmsnorm: plus kernels.kernelize "
-               "(Mode.INFERENCE) with LocalLayerRepository on the built rmsnorm kernel for RMSNorm",
+               "(Mode.INFERENCE) with LocalLayerRepository on the built rmsnorm kernel for RMSNorm; "
+               "w4a16+rmsnorm+fused: plus rmsnorm.fuse_residual_norms (every residual add fused with the norm after "
+               "it: the post-attention norm, the next layer's input norm, the final norm)",
     "tokens_per_s": "batch 1, greedy; one decode step (forward + argmax fed back) captured in a torch.cuda.CUDAGraph "
                     "over a transformers StaticCache; positions reset to the prompt length, then `steps` replays "
                     "between CUDA events; best of `reps` passes",
     "breakdown": "eager decode steps under torch.profiler; each CUDA kernel assigned to the innermost module "
                  "that launched it (Linear/W4A16Linear/GateUpMLP with the SwiGLU epilogue -> matmul incl. lm_head and bias "
-                 "adds; RMSNorm -> norms; "
+                 "adds; RMSNorm and the rmsnorm kernel's ops -> norms (fused residual adds included); "
                  "Attention minus its projections -> attention: RoPE, KV-cache write, GQA repeat_kv, SDPA; "
                  "anything else -> rest); shares of kernel time scaled to the graph step time "
                  "(busy_seconds_per_step holds the unscaled eager kernel time)",

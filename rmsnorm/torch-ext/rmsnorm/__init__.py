@@ -3,15 +3,17 @@
 Semantics follow `transformers`: fp32 statistics; with `offset=0.0` the normalized value is cast to the
 input dtype and then multiplied by the weight (`LlamaRMSNorm`); with `offset=1.0` the scale is
 `1 + weight` applied in fp32 before one cast (`GemmaRMSNorm`, transformers' "RMSNormZeroCentered").
+`fuse_residual_norms` rewires a `transformers` decoder so that each residual add runs fused with the norm after it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import layers, ops
+from . import layers, ops, residual_norms
+from .residual_norms import fuse_residual_norms
 
-__all__ = ["fused_add_rms_norm", "layers", "rms_norm"]
+__all__ = ["fuse_residual_norms", "fused_add_rms_norm", "layers", "residual_norms", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *, offset: float = 0.0) -> torch.Tensor:
