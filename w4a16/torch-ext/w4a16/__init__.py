@@ -1,8 +1,9 @@
 """4-bit weight, 16-bit activation matmul (W4A16) in Triton for the Kernel Hub.
 
 int4 (symmetric or with zero points) and NF4 weights in this kernel's own tiled layout (see `formats`),
-group sizes 32, 64, 128 (or any multiple of 128) and per-channel; importers for GPTQ (v1 / v2 zeros,
-act-order), AWQ and bitsandbytes NF4 checkpoints; a GEMV path for decode, a tensor-core path with the
+group sizes 32, 64, 128 (or any multiple of 128) and per-channel, and int4 with a float minimum per group (GGUF
+Q4_1 / Q4_K); importers for GPTQ (v1 / v2 zeros, act-order), AWQ, compressed-tensors, bitsandbytes NF4 and GGUF
+Q4_0 / Q4_1 / Q4_K (`from_gguf`, `load_gguf`); a GEMV path for decode, a tensor-core path with the
 dequantization in the K loop, and dequantize-then-cuBLAS for large M, chosen by M. Quantization by
 round-to-nearest (`quantize`, `quantize_model`) or calibrated (GPTQ: `gptq_quantize`,
 ``quantize_model(..., calibration=...)``); `quantize_model` also fuses the projections that read one input
@@ -17,10 +18,10 @@ from typing import Optional
 import torch
 
 from . import layers, ops
-from .checkpoints import from_pretrained, load_checkpoint
+from .checkpoints import from_pretrained, load_checkpoint, load_gguf
 from .formats import NF4_CODEBOOK, QuantizedWeight, load_quantized, quantize, save_quantized
 from .gptq import gptq_quantize
-from .importers import from_awq, from_bnb_nf4, from_compressed_tensors, from_gptq
+from .importers import from_awq, from_bnb_nf4, from_compressed_tensors, from_gguf, from_gptq
 from .layers import W4A16Linear, fuse_projections, quantize_model
 
 __all__ = [
@@ -31,12 +32,14 @@ __all__ = [
     "from_awq",
     "from_bnb_nf4",
     "from_compressed_tensors",
+    "from_gguf",
     "from_gptq",
     "from_pretrained",
     "fuse_projections",
     "gptq_quantize",
     "layers",
     "load_checkpoint",
+    "load_gguf",
     "load_quantized",
     "matmul",
     "quantize",

@@ -1,4 +1,4 @@
-"""Load a 4-bit checkpoint folder (GPTQ, AWQ GEMM, compressed-tensors pack-quantized) into a model.
+"""Load a 4-bit checkpoint folder (GPTQ, AWQ GEMM, compressed-tensors pack-quantized) or GGUF file into a model.
 
 `load_checkpoint` takes a model built from the checkpoint's config (on the meta device or the CPU), reads
 the folder's quantization config, swaps every quantized ``nn.Linear`` for a `W4A16Linear` built through
@@ -9,6 +9,9 @@ is refused with a ValueError naming the config field, never approximated.
 Which modules are quantized is read from the tensors (a ``qweight`` or ``weight_packed`` under the
 module's name), and group sizes from the scales' shapes: that is what the quantizing tool wrote, so
 ``modules_to_not_convert`` / ``ignore`` lists and per-module overrides need no pattern matching here.
+
+`load_gguf` takes the model transformers made from a GGUF file (``from_pretrained(..., gguf_file=...)``, which
+dequantizes every tensor) and puts the file's 4-bit blocks (Q4_0, Q4_1, Q4_K) back under its linear layers.
 """
 
 from __future__ import annotations
@@ -16,17 +19,17 @@ from __future__ import annotations
 import json
 import os
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from torch import nn
 
-from .formats import QuantizedWeight
-from .importers import from_awq, from_compressed_tensors, from_gptq
+from .formats import QuantizedWeight, take_rows
+from .importers import GGUF_BLOCKS, from_awq, from_compressed_tensors, from_gguf, from_gptq
 from .layers import W4A16Linear, fuse_projections
 # The model's dtype is its activations' dtype, which W4A16Linear takes in float16 or bfloat16.
-from .ops import ACTIVATION_DTYPES
+from .ops import ACTIVATION_DTYPES, dequantize
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -369,3 +372,93 @@ def from_pretrained(folder, *, dtype: torch.dtype = torch.float16, device="cpu",
     with init_empty_weights(include_buffers=False):
         model = model_class.from_config(config, dtype=dtype)
     return load_checkpoint(model, folder, device=device, dtype=dtype, fuse=fuse).eval()
+
+
+def load_gguf(model: nn.Module, path, *, dtype: torch.dtype = torch.float16, fuse: bool = False) -> dict[str, int]:
+    """Put the 4-bit tensors of the GGUF file at `path` under `model`'s linear layers, in place: every
+    ``nn.Linear`` whose tensor is Q4_0, Q4_1 or Q4_K becomes a `W4A16Linear` holding the file's own codes, scales
+    and minima (`importers.from_gguf`, scales and minima in `dtype`); the rest (Q6_K, Q8_0, float tensors, 4-bit
+    embeddings, which are not linear layers) stays as transformers dequantized it. Returns how many linear layers
+    each GGUF tensor type gave ({"Q4_K": 150, "Q6_K (left dequantized)": 30, ...}).
+
+    `model` is the transformers model of that file, loaded (``AutoModelForCausalLM.from_pretrained(folder,
+    gguf_file=...)``, any dtype). Tensor names and row orders come from transformers' own GGUF loader (its name
+    map and tensor processor: Llama's q / k rows, for one, are permuted back), and every imported weight is
+    checked against the model's dequantized one, so a mismatch is refused, never loaded. With `fuse`, q / k / v
+    and gate / up then run as one matmul each (`fuse_projections`)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a path (str or os.PathLike), got {type(path).__name__}")
+    if not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be a bool, got {type(fuse).__name__}")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    try:
+        import numpy as np
+        from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                              get_gguf_hf_weights_map, load_gguf_checkpoint,
+                                                              read_field)
+    except ImportError as exc:
+        raise ImportError("w4a16.load_gguf reads GGUF files with gguf and transformers' GGUF loader: "
+                          "pip install gguf transformers") from exc
+    parsed = load_gguf_checkpoint(path, return_tensors=False)
+    reader = GGUFReader(path)
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    names = get_gguf_hf_weights_map(model, processor)
+    modules = dict(model.named_modules())
+    counts: dict[str, int] = {}
+    for tensor in reader.tensors:
+        module_name = names.get(tensor.name, "").removesuffix(".weight")
+        linear = modules.get(module_name) if tensor.name.endswith(".weight") else None
+        if not isinstance(linear, nn.Linear):
+            continue
+        kind = tensor.tensor_type.name
+        if kind not in GGUF_BLOCKS:
+            counts[f"{kind} (left dequantized)"] = counts.get(f"{kind} (left dequantized)", 0) + 1
+            continue
+        if linear.weight.is_meta:
+            raise ValueError(f"{module_name}: the model's weights are on the meta device; load the model from the "
+                             "GGUF file with transformers first (from_pretrained(..., gguf_file=...))")
+        n, k = linear.out_features, linear.in_features
+        if tuple(int(d) for d in reversed(tensor.shape)) != (n, k):
+            raise ValueError(f"{module_name}: the GGUF tensor {tensor.name} is {tuple(reversed(tensor.shape))} "
+                             f"(out, in), the model's nn.Linear {(n, k)}")
+        # The processor's row order, read off by running it on the row indices (it permutes rows, or nothing).
+        rows = processor.process(weights=np.arange(n, dtype=np.float64)[:, None], name=tensor.name,
+                                 tensor_key_mapping=names, parsed_parameters={"config": parsed["config"],
+                                                                              "tensors": {}}).weights
+        order = torch.from_numpy(np.asarray(rows, dtype=np.float64).reshape(-1)).long()
+        if order.numel() != n or not torch.equal(order.sort().values, torch.arange(n)):
+            raise ValueError(f"{module_name}: transformers' GGUF processor for {architecture!r} changes "
+                             f"{tensor.name} beyond a row order, which load_gguf cannot follow")
+        exact = from_gguf(tensor.data, tensor.tensor_type, (n, k), dtype=torch.float32)
+        if not torch.equal(order, torch.arange(n)):
+            exact = take_rows(exact, order)
+        _check_gguf_weight(module_name, dequantize(exact, torch.float32), linear.weight.detach())
+        qweight = replace(exact, scales=exact.scales.to(dtype), dtype=dtype,
+                          mins=None if exact.mins is None else exact.mins.to(dtype))
+        device = linear.weight.device
+        _set_module(model, module_name, W4A16Linear(qweight.to(device), linear.bias))
+        counts[kind] = counts.get(kind, 0) + 1
+    if fuse:
+        fuse_projections(model)
+    return counts
+
+
+def _check_gguf_weight(name: str, exact: torch.Tensor, loaded: torch.Tensor) -> None:
+    """The file's weight (dequantized in float32) against the model's, which transformers dequantized and cast to
+    its dtype: equal up to that cast's rounding, plus a few float32 ulps of the row's largest value for the order
+    of operations. A wrong name or row order misses by the size of the weights."""
+    rounding = torch.finfo(loaded.dtype).eps if loaded.is_floating_point() else 0.0
+    loaded = loaded.to(exact.device, torch.float32)
+    bound = rounding * exact.abs() + 4 * torch.finfo(torch.float32).eps * exact.abs().amax(dim=1, keepdim=True)
+    if not bool(((loaded - exact).abs() <= bound).all()):
+        worst = ((loaded - exact).abs() / exact.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)).max().item()
+        raise ValueError(f"{name}: the GGUF file's weight does not match the model's (largest difference {worst:.3g} "
+                         "of its row's largest value): was the model loaded from this file?")

@@ -11,11 +11,15 @@ Layout (chosen so that one 128-bit load feeds the GEMV inner loop directly):
   and output row; per-channel quantization (``group_size=-1``) has ``G = 1``. For NF4 it is the block absmax.
 - ``zeros`` uint8 ``[G, Np]`` or None: integer zero points (int4 with zero points). Without it int4 is
   symmetric with the implicit zero point 8. Zero points may be 16 (GPTQ v1 checkpoints store zero - 1).
+- ``mins`` ``[G, Np]`` (the scales' dtype) or None: int4 with a float minimum per group instead of a zero point, the value
+  of code 0 (GGUF's Q4_1 and Q4_K blocks: ``scale * q + min``); never together with ``zeros``, and only with
+  scale groups (not per channel).
 - ``codebook`` float32 ``[16]`` for NF4 (code -> value in [-1, 1]), None for int4.
 - ``perm`` int64 ``[K]`` or None: act-order checkpoints store input channels sorted by group; the
   matmul reads ``x[..., perm]``.
 
-Dequantized weight: int4 ``(q - zero) * scale``; NF4 ``codebook[q] * scale``; padding has scale 0.
+Dequantized weight: int4 ``(q - zero) * scale``, or ``q * scale + min`` with mins; NF4 ``codebook[q] * scale``;
+padding has scale 0 (and min 0).
 """
 
 from __future__ import annotations
@@ -57,8 +61,11 @@ NF4_CODEBOOK = (
     1.0,
 )
 
+# The tensors of a QuantizedWeight, in the order the ops take them.
+FIELDS = ("qweight", "scales", "zeros", "mins", "codebook", "perm")
 _SAFETENSORS_KEY = "w4a16"
-_FORMAT_VERSION = 1
+# Version 2: a weight with mins (older kernels, which read version 1 only, refuse it instead of dropping them).
+_FORMAT_VERSIONS = (1, 2)
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -102,6 +109,7 @@ class QuantizedWeight:
     group_size: int
     fmt: str
     dtype: torch.dtype
+    mins: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         self.shape = tuple(int(s) for s in self.shape)
@@ -128,6 +136,14 @@ class QuantizedWeight:
             if self.zeros.dtype != torch.uint8 or tuple(self.zeros.shape) != (g, np_):
                 raise ValueError(f"zeros must be uint8 of shape {(g, np_)}, got {self.zeros.dtype} "
                                  f"{tuple(self.zeros.shape)}")
+        if self.mins is not None:
+            if self.fmt != "int4" or self.zeros is not None:
+                raise ValueError("mins (float minima) apply to fmt='int4' without zeros only")
+            if self.group_size == -1:
+                raise ValueError("mins need scale groups (group_size 32, 64 or a multiple of 128), not per channel")
+            if self.mins.dtype != self.scales.dtype or tuple(self.mins.shape) != (g, np_):
+                raise ValueError(f"mins must have the scales' dtype ({self.scales.dtype}) and shape {(g, np_)}, "
+                                 f"got {self.mins.dtype} {tuple(self.mins.shape)}")
         if (self.fmt == "nf4") != (self.codebook is not None):
             raise ValueError("codebook must be given for fmt='nf4' and only for it")
         if self.codebook is not None and (self.codebook.dtype != torch.float32 or tuple(self.codebook.shape) != (16,)):
@@ -135,7 +151,7 @@ class QuantizedWeight:
                              f"{tuple(self.codebook.shape)}")
         if self.perm is not None and (self.perm.dtype != torch.int64 or tuple(self.perm.shape) != (k,)):
             raise ValueError(f"perm must be int64 of shape ({k},), got {self.perm.dtype} {tuple(self.perm.shape)}")
-        for name in ("qweight", "scales", "zeros", "codebook", "perm"):
+        for name in FIELDS:
             t = getattr(self, name)
             if t is not None and t.device != device:
                 raise ValueError(f"{name} is on {t.device} but qweight is on {device}: all tensors must share a device")
@@ -153,11 +169,10 @@ class QuantizedWeight:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors that exist (None fields left out), by field name."""
-        names = ("qweight", "scales", "zeros", "codebook", "perm")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return {name: getattr(self, name) for name in FIELDS if getattr(self, name) is not None}
 
     def nbytes(self) -> int:
-        """Bytes a matmul reads for the weight: packed codes, scales, zero points."""
+        """Bytes a matmul reads for the weight: packed codes, scales, zero points or minima."""
         return sum(t.numel() * t.element_size() for name, t in self.tensors().items() if name != "perm")
 
     def to(self, device) -> "QuantizedWeight":
@@ -165,7 +180,8 @@ class QuantizedWeight:
 
     def metadata(self) -> dict:
         return {"shape": list(self.shape), "group_size": self.group_size, "fmt": self.fmt,
-                "dtype": str(self.dtype).removeprefix("torch."), "version": _FORMAT_VERSION}
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "version": _FORMAT_VERSIONS[0] if self.mins is None else _FORMAT_VERSIONS[1]}
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -202,9 +218,9 @@ def pad_group_params(values: torch.Tensor, shape: tuple[int, int], group_size: i
 
 def from_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], *, group_size: int,
                fmt: str, dtype: torch.dtype, codebook: Optional[torch.Tensor] = None,
-               perm: Optional[torch.Tensor] = None) -> "QuantizedWeight":
-    """A `QuantizedWeight` from 4-bit codes ``[N, K]`` and per-group scales (and zero points) ``[groups, N]``:
-    packs the codes and pads the group parameters into this kernel's layout."""
+               perm: Optional[torch.Tensor] = None, mins: Optional[torch.Tensor] = None) -> "QuantizedWeight":
+    """A `QuantizedWeight` from 4-bit codes ``[N, K]`` and per-group scales (and zero points or minima)
+    ``[groups, N]``: packs the codes and pads the group parameters into this kernel's layout."""
     n, k = codes.shape
     return QuantizedWeight(
         qweight=pack(codes.to(torch.uint8)),
@@ -216,7 +232,22 @@ def from_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.
         group_size=group_size,
         fmt=fmt,
         dtype=dtype,
+        mins=None if mins is None else pad_group_params(mins, (n, k), group_size),
     )
+
+
+def take_rows(qw: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
+    """The weight whose output row i is row ``order[i]`` of `qw` (`order`: a permutation of its N rows). Rows are
+    independent in this layout (groups run along K), so packed rows, scales, zero points and minima move as
+    they are."""
+    n, k = qw.shape
+    qweight = qw.qweight.clone()
+    qweight[:n] = qw.qweight[order]
+
+    def columns(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else pad_group_params(t[:, order], (n, k), qw.group_size)
+
+    return replace(qw, qweight=qweight, scales=columns(qw.scales), zeros=columns(qw.zeros), mins=columns(qw.mins))
 
 
 def _group_view(weight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -224,14 +255,16 @@ def _group_view(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     return weight.view(n, 1, k) if group_size == -1 else weight.view(n, k // group_size, group_size)
 
 
-def quantize(weight: torch.Tensor, *, group_size: int = 128, zero_point: bool = False,
+def quantize(weight: torch.Tensor, *, group_size: int = 128, zero_point: bool | str = False,
              fmt: str = "int4") -> QuantizedWeight:
     """Round-to-nearest quantization of a float weight ``[N, K]`` (``nn.Linear.weight``) to 4 bits.
 
-    int4 symmetric: ``scale = absmax / 7.5``, codes ``round(w / scale) + 8`` clamped to 0..15.
-    int4 with zero points: the group range (widened to include 0) over 15 steps, zero point
-    ``round(-min / scale)``. NF4: ``scale = absmax`` and the nearest NF4 code of ``w / absmax``.
-    Scales are stored in the weight's dtype and codes are computed against the stored (rounded) scales.
+    int4 symmetric (``zero_point=False``): ``scale = absmax / 7.5``, codes ``round(w / scale) + 8`` clamped to
+    0..15. int4 with zero points (``True``): the group range (widened to include 0) over 15 steps, zero point
+    ``round(-min / scale)``. int4 with float minima (``"float"``, GGUF Q4_1's scheme; groups, not per channel):
+    the group range over 15 steps, the minimum stored as it is (`QuantizedWeight.mins`), codes
+    ``round((w - min) / scale)``. NF4: ``scale = absmax`` and the nearest NF4 code of ``w / absmax``.
+    Scales (and minima) are stored in the weight's dtype and codes are computed against the stored values.
     """
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
@@ -241,13 +274,25 @@ def quantize(weight: torch.Tensor, *, group_size: int = 128, zero_point: bool = 
         raise ValueError(f"weight must be a non-empty 2-D [out_features, in_features] tensor, got {tuple(weight.shape)}")
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if zero_point not in (False, True, "float"):
+        raise ValueError(f"zero_point must be False, True or 'float', got {zero_point!r}")
     if fmt == "nf4" and zero_point:
-        raise ValueError("zero_point=True applies to fmt='int4' only (NF4 is symmetric by construction)")
+        raise ValueError("zero_point applies to fmt='int4' only (NF4 is symmetric by construction)")
     n, k = weight.shape
     check_group_size(group_size, k)
+    if zero_point == "float" and group_size == -1:
+        raise ValueError("zero_point='float' needs scale groups (group_size 32, 64 or a multiple of 128)")
     if not torch.isfinite(weight).all():
         raise ValueError("weight holds inf or NaN values, which have no 4-bit code")
     w = _group_view(weight.detach().float(), group_size)  # [N, G, g]
+    if zero_point == "float":
+        lo = w.amin(dim=-1)
+        scales = ((w.amax(dim=-1) - lo) / 15).to(weight.dtype)
+        mins = lo.to(weight.dtype)
+        safe = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(2)
+        codes = torch.round((w - mins.float().unsqueeze(2)) / safe).clamp(0, 15)
+        return from_codes(codes.reshape(n, k), scales.t(), None, group_size=group_size, fmt=fmt, dtype=weight.dtype,
+                          mins=mins.t())
     scales, zeros = group_params(w, fmt=fmt, zero_point=zero_point, dtype=weight.dtype)
     codes = encode(w, scales.unsqueeze(2), None if zeros is None else zeros.unsqueeze(2), fmt=fmt)
     codebook = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=weight.device) if fmt == "nf4" else None
@@ -326,12 +371,11 @@ def load_quantized(path, device="cpu"):
         keys = set(f.keys())
         out = {}
         for name, m in meta.items():
-            if m.get("version") != _FORMAT_VERSION:
+            if m.get("version") not in _FORMAT_VERSIONS:
                 raise ValueError(f"{path}: {name or 'weight'} has format version {m.get('version')}, "
-                                 f"this kernel reads {_FORMAT_VERSION}")
+                                 f"this kernel reads {' and '.join(map(str, _FORMAT_VERSIONS))}")
             prefix = f"{name}." if name else ""
-            fields = {field: f.get_tensor(prefix + field) if prefix + field in keys else None
-                      for field in ("qweight", "scales", "zeros", "codebook", "perm")}
+            fields = {field: f.get_tensor(prefix + field) if prefix + field in keys else None for field in FIELDS}
             out[name] = QuantizedWeight(**fields, shape=tuple(m["shape"]), group_size=m["group_size"],
                                         fmt=m["fmt"], dtype=getattr(torch, m["dtype"]))
     return out[""] if list(out) == [""] else out

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .formats import GATE_UP_BLOCK, PAD_N, QuantizedWeight, check_swiglu_rows, pad_group_params, round_up
+from .formats import GATE_UP_BLOCK, PAD_N, QuantizedWeight, check_swiglu_rows, pad_group_params, round_up, take_rows
 from .reference import join_gate_up
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -42,7 +42,8 @@ GATE_UP = ("gate_proj", "up_proj")
 
 def concat_weights(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
     """One weight whose output rows are those of `weights`, in order (concatenated along N). They must agree on
-    everything but N: in_features, format, group size, dtypes, zero points or none, and the act-order `perm`."""
+    everything but N: in_features, format, group size, dtypes, zero points / minima or none, and the act-order
+    `perm`."""
     weights = list(weights)
     if not weights or not all(isinstance(w, QuantizedWeight) for w in weights):
         raise TypeError("weights must be a non-empty sequence of QuantizedWeight")
@@ -55,6 +56,7 @@ def concat_weights(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
             "dtype" if w.dtype != first.dtype or w.scales.dtype != first.scales.dtype else
             "device" if w.device != first.device else
             "zero points" if (w.zeros is None) != (first.zeros is None) else
+            "minima" if (w.mins is None) != (first.mins is None) else
             "codebook" if w.codebook is not None and not torch.equal(w.codebook, first.codebook) else
             "perm" if (w.perm is None) != (first.perm is None) or (
                 w.perm is not None and not torch.equal(w.perm, first.perm)) else None)
@@ -70,7 +72,8 @@ def concat_weights(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
         return pad_group_params(values, (n, k), first.group_size)
 
     return QuantizedWeight(qweight=qweight, scales=columns("scales"),
-                           zeros=None if first.zeros is None else columns("zeros"), codebook=first.codebook,
+                           zeros=None if first.zeros is None else columns("zeros"),
+                           mins=None if first.mins is None else columns("mins"), codebook=first.codebook,
                            perm=first.perm, shape=(n, k), group_size=first.group_size, fmt=first.fmt,
                            dtype=first.dtype)
 
@@ -78,22 +81,14 @@ def concat_weights(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
 def interleave_gate_up(gate_up: QuantizedWeight, bias: Optional[torch.Tensor] = None):
     """`gate_up` (``concat_weights([gate, up])``: I gate rows, then I up rows, I a multiple of GATE_UP_BLOCK) and its
     bias ``[2 I]`` (or None) with the rows in the SwiGLU layout of `ops.swiglu_matmul`: blocks of GATE_UP_BLOCK gate
-    rows, then the same up rows (`reference.join_gate_up`). Packed rows, scales and zero points move unchanged."""
+    rows, then the same up rows (`reference.join_gate_up`). Packed rows, scales and zero points (minima) move
+    unchanged."""
     if not isinstance(gate_up, QuantizedWeight):
         raise TypeError(f"gate_up must be a QuantizedWeight, got {type(gate_up).__name__}")
     n, k = gate_up.shape
     check_swiglu_rows(n)
     order = join_gate_up(*torch.arange(n, device=gate_up.device).chunk(2))
-    qweight = gate_up.qweight.clone()
-    qweight[:n] = gate_up.qweight[order]
-
-    def columns(t: torch.Tensor) -> torch.Tensor:
-        return pad_group_params(t[:, order], (n, k), gate_up.group_size)
-
-    weight = QuantizedWeight(qweight=qweight, scales=columns(gate_up.scales),
-                             zeros=None if gate_up.zeros is None else columns(gate_up.zeros),
-                             codebook=gate_up.codebook, perm=gate_up.perm, shape=(n, k),
-                             group_size=gate_up.group_size, fmt=gate_up.fmt, dtype=gate_up.dtype)
+    weight = take_rows(gate_up, order)
     return weight, None if bias is None else bias[order.to(bias.device)]
 
 

@@ -29,6 +29,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, group_size: in
         raise ValueError(f"hessian must be [{k}, {k}] for a weight with {k} input features, got {tuple(hessian.shape)}")
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if zero_point == "float":
+        raise ValueError("zero_point='float' (float minima) is round-to-nearest only (quantize, quantize_model "
+                         "without calibration)")
     if fmt == "nf4" and zero_point:
         raise ValueError("zero_point=True applies to fmt='int4' only (NF4 is symmetric by construction)")
     if not 0 <= damp < 1:

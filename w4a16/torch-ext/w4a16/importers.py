@@ -13,6 +13,11 @@ same codes, scales and zero points, only re-laid out.
   ``weight_zero_point`` int32 ``[N/8, G]`` packed along N the same way, ``weight_shape`` ``(N, K)``.
 - bitsandbytes NF4: the flattened ``[N, K]`` weight, two codes per byte with the first in the high nibble,
   one absmax per ``blocksize`` consecutive elements (optionally itself 8-bit quantized: "nested").
+- GGUF (ggml) 4-bit blocks, each row of K weights stored as consecutive blocks (`GGUF_BLOCKS`): Q4_0
+  (32 weights: fp16 ``d``, 16 bytes of codes; ``d * (q - 8)``), Q4_1 (fp16 ``d`` and ``m``; ``d * q + m``) and
+  Q4_K (256 weights: fp16 ``d`` and ``dmin``, 12 bytes of 6-bit sub-block scales ``sc`` and minima ``mn`` for
+  8 sub-blocks of 32, 128 bytes of codes; ``d * sc * q - dmin * mn``). In a block of 32 (a Q4_K chunk of
+  64), byte i holds element i in its low nibble and element i + 16 (i + 32) in its high one.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 from .formats import FLOAT_DTYPES, NF4_CODEBOOK, QuantizedWeight, check_group_size, from_codes
 
 _SHIFTS = tuple(range(0, 32, 4))
+# GGUF 4-bit tensor type -> (weights per block, bytes per block)
+GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column 8c + AWQ_PACK_ORDER[i]
 AWQ_UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j is in nibble AWQ_UNPACK_ORDER[j]
 
@@ -252,3 +259,67 @@ def from_bnb_nf4(weight: torch.Tensor, absmax: torch.Tensor, *, shape, blocksize
     codes = torch.stack((data >> 4, data & 0xF), dim=1).reshape(n, k)
     return from_codes(codes, block_absmax.view(n, k // blocksize).t(), None, group_size=blocksize, fmt="nf4",
                       dtype=dtype, codebook=codebook)
+
+
+def from_gguf(data, tensor_type, shape: tuple[int, int], *, dtype: torch.dtype = torch.float16) -> QuantizedWeight:
+    """A GGUF Q4_0, Q4_1 or Q4_K weight ``[N, K]`` (`shape`, out_features first, as transformers holds it) from
+    its raw blocks `data` (a uint8 tensor or array of ``N * K / block * bytes`` bytes, such as gguf's
+    ``GGUFReader`` tensor ``.data``); `tensor_type` is the type's name or gguf's ``GGMLQuantizationType``.
+    Groups of 32: Q4_0 becomes symmetric int4 (zero point 8), Q4_1 and Q4_K int4 with float minima (`mins`).
+    `dtype` holds the scales and minima: float16 (the default) and float32 keep Q4_0 and Q4_1 exact, float32 also
+    Q4_K's products ``d * sc`` and ``dmin * mn`` (up to 17 significant bits; float16 rounds them once, a relative
+    2^-11), bfloat16 rounds all of them."""
+    name = getattr(tensor_type, "name", tensor_type)
+    if name not in GGUF_BLOCKS:
+        raise ValueError(f"tensor_type must be one of {sorted(GGUF_BLOCKS)} (4-bit GGUF), got {name!r}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+    if (not isinstance(shape, (tuple, list)) or len(shape) != 2
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+        raise ValueError(f"shape must be (N, K), two positive ints, got {shape!r}")
+    n, k = shape
+    per_block, block_bytes = GGUF_BLOCKS[name]
+    if k % per_block:
+        raise ValueError(f"a {name} row holds whole blocks of {per_block} weights, but K = {k}")
+    raw = data if isinstance(data, torch.Tensor) else torch.from_numpy(_as_numpy_bytes(data))
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"data must hold uint8 bytes, got {raw.dtype}")
+    if raw.numel() != n * (k // per_block) * block_bytes:
+        raise ValueError(f"data must hold {n * (k // per_block) * block_bytes} bytes for a {name} weight of shape "
+                         f"{(n, k)}, got {raw.numel()}")
+    blocks = raw.reshape(n, k // per_block, block_bytes)
+
+    def halves(start: int) -> torch.Tensor:  # the fp16 at byte `start` of every block, as float32 [N, blocks]
+        return blocks[..., start:start + 2].contiguous().view(torch.float16)[..., 0].float()
+
+    def codes_of(qs: torch.Tensor, run: int) -> torch.Tensor:  # runs of `run` bytes: low nibbles, then high ones
+        runs = qs.unflatten(-1, (-1, run))
+        return torch.cat((runs & 0xF, runs >> 4), dim=-1).flatten(-2)
+
+    if name == "Q4_0":
+        codes = codes_of(blocks[..., 2:], 16)
+        return from_codes(codes.reshape(n, k), halves(0).t().to(dtype), None, group_size=32, fmt="int4", dtype=dtype)
+    if name == "Q4_1":
+        codes = codes_of(blocks[..., 4:], 16)
+        return from_codes(codes.reshape(n, k), halves(0).t().to(dtype), None, group_size=32, fmt="int4",
+                          dtype=dtype, mins=halves(2).t().to(dtype))
+    packed = blocks[..., 4:16].long()  # 8 six-bit scales and minima per super-block
+    low, high = packed[..., :4], packed[..., 8:]
+    sc = torch.cat((low & 63, (high & 0xF) | ((low >> 6) << 4)), dim=-1)
+    mn = torch.cat((packed[..., 4:8] & 63, (high >> 4) | ((packed[..., 4:8] >> 6) << 4)), dim=-1)
+    scales = (halves(0).unsqueeze(-1) * sc).flatten(1)  # exact in float32: an fp16 times a 6-bit integer
+    mins = -(halves(2).unsqueeze(-1) * mn).flatten(1)
+    codes = codes_of(blocks[..., 16:], 32)
+    return from_codes(codes.reshape(n, k), scales.t().to(dtype), None, group_size=32, fmt="int4", dtype=dtype,
+                      mins=mins.t().to(dtype))
+
+
+def _as_numpy_bytes(data):
+    """A numpy array (gguf's memory-mapped tensor data) as a writable uint8 copy that torch can wrap."""
+    import numpy as np
+
+    if not isinstance(data, np.ndarray):
+        raise TypeError(f"data must be a uint8 torch.Tensor or numpy array, got {type(data).__name__}")
+    if data.dtype != np.uint8:
+        raise TypeError(f"data must hold uint8 bytes, got {data.dtype}")
+    return np.array(data, copy=True)

@@ -18,14 +18,12 @@ import torch
 from torch import nn
 
 from . import ops
-from .formats import GATE_UP_BLOCK, QuantizedWeight, check_swiglu_rows, quantize
+from .formats import FIELDS, GATE_UP_BLOCK, QuantizedWeight, check_swiglu_rows, quantize
 from .fusion import (GATE_UP, QKV, FusedQKVProjection, GateUpMLP, HandedOffProjection, concat_weights,
                      gated_mlp_problem, interleave_gate_up, is_silu, qkv_layout_problem)
 from .gptq import gptq_quantize
 
 logger = logging.getLogger(__name__)
-
-_FIELDS = ("qweight", "scales", "zeros", "codebook", "perm")
 
 
 class W4A16Linear(nn.Module):
@@ -39,12 +37,24 @@ class W4A16Linear(nn.Module):
         self.group_size = qweight.group_size
         self.fmt = qweight.fmt
         self.weight_dtype = qweight.dtype
-        for name in _FIELDS:
+        for name in FIELDS:
             self.register_buffer(name, getattr(qweight, name))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    def _apply(self, fn, recurse=True):
+        """Module-wide moves and casts (``model.to("cuda")``, ``model.to(torch.bfloat16)``, ``.half()``) move the
+        quantized weight's tensors but keep their dtypes: scales and minima are part of the stored format (a cast
+        of fp16 scales to bf16 would round them) and activations of either 16-bit dtype read them as they are."""
+        stored = {name: self._buffers.pop(name) for name in FIELDS if self._buffers.get(name) is not None}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, t in stored.items():
+                self._buffers[name] = t.to(fn(t.new_empty(0)).device)
+        return self
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 128, *, zero_point: bool = False,
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, *, zero_point: bool | str = False,
                     fmt: str = "int4") -> "W4A16Linear":
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
@@ -53,7 +63,7 @@ class W4A16Linear(nn.Module):
 
     @property
     def quantized_weight(self) -> QuantizedWeight:
-        return QuantizedWeight(**{name: getattr(self, name) for name in _FIELDS},
+        return QuantizedWeight(**{name: getattr(self, name) for name in FIELDS},
                                shape=(self.out_features, self.in_features), group_size=self.group_size,
                                fmt=self.fmt, dtype=self.weight_dtype)
 
@@ -71,11 +81,13 @@ class W4A16Linear(nn.Module):
         n, k = self.out_features, self.in_features
         bias = None if self.bias is None else self.bias.to(x.dtype)
         ops.check_activation(x, (n, k), self.qweight.device, bias)
-        return op(x, self.qweight, self.scales, self.zeros, self.codebook, self.perm, bias, n, k, self.group_size)
+        return op(x, self.qweight, self.scales, self.zeros, self.mins, self.codebook, self.perm, bias, n, k,
+                  self.group_size)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fmt={self.fmt}, group_size={self.group_size}, zero_point={self.zeros is not None}")
+                f"fmt={self.fmt}, group_size={self.group_size}, zero_point={self.zeros is not None}"
+                + (", mins=True" if self.mins is not None else ""))
 
 
 def _skip_names(skip: Iterable[str] | str) -> tuple[str, ...]:
@@ -94,7 +106,7 @@ def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] = ("lm_head",), *,
-                   zero_point: bool = False, fmt: str = "int4", calibration: Optional[Iterable] = None,
+                   zero_point: bool | str = False, fmt: str = "int4", calibration: Optional[Iterable] = None,
                    act_order: bool = False, damp: float = 0.01, fuse: bool = True) -> nn.Module:
     """Replace every ``nn.Linear`` of `model` whose qualified name does not match `skip` (a name, or a
     component of the dotted name) by a `W4A16Linear`, in place; returns `model`. Round-to-nearest, or with

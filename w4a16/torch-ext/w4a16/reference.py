@@ -10,7 +10,8 @@ from .formats import GATE_UP_BLOCK, unpack
 
 
 def dequantize_stored(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                      codebook: Optional[torch.Tensor], n: int, k: int, group_size: int) -> torch.Tensor:
+                      mins: Optional[torch.Tensor], codebook: Optional[torch.Tensor], n: int, k: int,
+                      group_size: int) -> torch.Tensor:
     """fp32 ``[n, k]`` weight with its K-columns in stored order (act-order weights stay permuted)."""
     codes = unpack(qweight, (n, k)).long()
     group_of_col = torch.arange(k, device=qweight.device) // (k if group_size == -1 else group_size)
@@ -19,13 +20,15 @@ def dequantize_stored(qweight: torch.Tensor, scales: torch.Tensor, zeros: Option
         values = codebook.float()[codes]
     elif zeros is not None:
         values = codes - zeros[:, :n].long()[group_of_col].t()
+    elif mins is not None:
+        return codes * scale + mins[:, :n].float()[group_of_col].t()
     else:
         values = codes - 8
     return values * scale
 
 
-def dequantize(qweight, scales, zeros, codebook, perm, n, k, group_size, dtype) -> torch.Tensor:
-    weight = dequantize_stored(qweight, scales, zeros, codebook, n, k, group_size)
+def dequantize(qweight, scales, zeros, mins, codebook, perm, n, k, group_size, dtype) -> torch.Tensor:
+    weight = dequantize_stored(qweight, scales, zeros, mins, codebook, n, k, group_size)
     if perm is not None:
         original = torch.empty_like(weight)
         original[:, perm] = weight
@@ -33,17 +36,17 @@ def dequantize(qweight, scales, zeros, codebook, perm, n, k, group_size, dtype) 
     return weight.to(dtype)
 
 
-def _matmul_fp32(x2d, qweight, scales, zeros, codebook, bias, n, k, group_size) -> torch.Tensor:
-    weight = dequantize_stored(qweight, scales, zeros, codebook, n, k, group_size)
+def _matmul_fp32(x2d, qweight, scales, zeros, mins, codebook, bias, n, k, group_size) -> torch.Tensor:
+    weight = dequantize_stored(qweight, scales, zeros, mins, codebook, n, k, group_size)
     out = x2d.float() @ weight.t()
     if bias is not None:
         out += bias.float()
     return out
 
 
-def matmul(x2d: torch.Tensor, qweight, scales, zeros, codebook, bias, n, k, group_size) -> torch.Tensor:
+def matmul(x2d: torch.Tensor, qweight, scales, zeros, mins, codebook, bias, n, k, group_size) -> torch.Tensor:
     """``x2d @ W.T (+ bias)`` in fp32, rounded once to x's dtype; `x2d` is already in stored K order."""
-    return _matmul_fp32(x2d, qweight, scales, zeros, codebook, bias, n, k, group_size).to(x2d.dtype)
+    return _matmul_fp32(x2d, qweight, scales, zeros, mins, codebook, bias, n, k, group_size).to(x2d.dtype)
 
 
 def split_gate_up(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +63,8 @@ def join_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack(tuple(blocks), dim=-2).flatten(-3)
 
 
-def swiglu_matmul(x2d: torch.Tensor, qweight, scales, zeros, codebook, bias, n, k, group_size) -> torch.Tensor:
+def swiglu_matmul(x2d: torch.Tensor, qweight, scales, zeros, mins, codebook, bias, n, k, group_size) -> torch.Tensor:
     """``silu(gate) * up`` ``[M, n // 2]`` of ``x2d @ W.T (+ bias)`` for a weight in the SwiGLU layout, all in fp32
     and rounded once to x's dtype, as the kernels' epilogue does."""
-    gate, up = split_gate_up(_matmul_fp32(x2d, qweight, scales, zeros, codebook, bias, n, k, group_size))
+    gate, up = split_gate_up(_matmul_fp32(x2d, qweight, scales, zeros, mins, codebook, bias, n, k, group_size))
     return (torch.nn.functional.silu(gate) * up).to(x2d.dtype)

@@ -148,27 +148,29 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def packed_dot_supported(codebook, group_size) -> bool:
+def packed_dot_supported(codebook, group_size, has_mins: bool = False) -> bool:
     """Whether the dot path can build its operands by integer ops (`triton_kernels.dot._unit_planes`): int4
-    with whole-tile or per-channel groups."""
-    return codebook is None and (group_size == -1 or group_size % 128 == 0)
+    with whole-tile or per-channel groups and integer (or no) zero points."""
+    return codebook is None and not has_mins and (group_size == -1 or group_size % 128 == 0)
 
 
-def half2_supported(x, codebook, group_size) -> bool:
+def half2_supported(x, codebook, group_size, has_mins: bool = False) -> bool:
     """Whether the packed-fp16 GEMV (`_gemv_h2_kernel`) applies: fp16 activations (bf16 after
     `_x_to_fp16_kernel`), int4 or NF4 with scale groups of whole 128-column tiles or per channel (NF4: also
     64), and an NVIDIA GPU (inline PTX) or the interpreter (emulated). Elsewhere (groups of 32, int4 groups of
-    64, ROCm, XPU) a GEMV config runs the portable `_gemv_kernel`."""
+    64, weights with minima, ROCm, XPU) a GEMV config runs the portable `_gemv_kernel`."""
     groups_ok = packed_dot_supported(None, group_size) or (codebook is not None and group_size == 64)
-    if x.dtype not in (torch.float16, torch.bfloat16) or not groups_ok:
+    if has_mins or x.dtype not in (torch.float16, torch.bfloat16) or not groups_ok:
         return False
     return interpreting() or (x.device.type == "cuda" and torch.version.hip is None)
 
 
-def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bool = False) -> dict:
-    """The launch plan of `config` for activations `x` and a weight of this format (see the module doc); with
-    `swiglu` (a fused gate / up weight in the SwiGLU layout) for the epilogue silu(gate) * up."""
-    plan = _format_plan(config, x, codebook, group_size)
+def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bool = False,
+            has_mins: bool = False) -> dict:
+    """The launch plan of `config` for activations `x` and a weight of this format (`has_mins`: int4 with float
+    minima; see the module doc); with `swiglu` (a fused gate / up weight in the SwiGLU layout) for the epilogue
+    silu(gate) * up."""
+    plan = _format_plan(config, x, codebook, group_size, has_mins)
     if not swiglu:
         return plan
     if "block_n" in plan and plan["block_n"] < 2 * GATE_UP_BLOCK:
@@ -184,16 +186,16 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bo
     return {**plan, "swiglu": True}
 
 
-def _format_plan(config: dict, x: torch.Tensor, codebook, group_size: int) -> dict:
+def _format_plan(config: dict, x: torch.Tensor, codebook, group_size: int, has_mins: bool) -> dict:
     """`resolve` for this activation dtype, device and weight format."""
     if config["kernel"] == "gemv":
         plan = {key: value for key, value in config.items() if key != "half2"}
         half2 = config.get("half2", False)
-        if half2 and half2_supported(x, codebook, group_size):
+        if half2 and half2_supported(x, codebook, group_size, has_mins):
             plan.update(half2 if isinstance(half2, dict) else {}, kernel="gemv_h2")
         return plan
     if config["kernel"] == "dot":
-        packed = bool(config.get("packed", False)) and packed_dot_supported(codebook, group_size)
+        packed = bool(config.get("packed", False)) and packed_dot_supported(codebook, group_size, has_mins)
         # per-channel scales always go on the result
         scale_weights = packed and bool(config.get("scale_weights", False)) and group_size != -1
         # descriptors (TMA) need the full-tile paths and 16-byte aligned rows of x

@@ -33,10 +33,12 @@ def _natural_order(p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
-def _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size: tl.constexpr, stride_sg, J: tl.constexpr,
-           NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SCALE_ON_ACC: tl.constexpr):
+def _plane(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size: tl.constexpr, stride_sg, J: tl.constexpr,
+           NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
+           SCALE_ON_ACC: tl.constexpr):
     """Nibble plane J of a [BLOCK_N, 16] word tile (K-columns 128 tile + 16 J + c) as fp32: ``code - zero``
-    (times its group's scale unless the scale is applied to the accumulator), or the NF4 value."""
+    (times its group's scale unless the scale is applied to the accumulator), ``code * scale + min`` (HAS_MIN:
+    scale groups, never on the accumulator), or the NF4 value."""
     code = (w >> (4 * J)) & 0xF
     if not PER_CHANNEL:
         # group_size is a compile-time constant (32, 64 or a multiple of 128): the planes of one group then share
@@ -54,26 +56,40 @@ def _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size: tl.constexpr, 
             if not PER_CHANNEL:
                 zero = tl.load(z_ptr + param_offs).to(tl.float32)[:, None]
             v = v - (zero + _MAGIC)
+        elif HAS_MIN:
+            v = v - _MAGIC
         else:
             v = v - (_MAGIC + 8.0)
-    if not SCALE_ON_ACC and not PER_CHANNEL:
+    if HAS_MIN:
+        low = tl.load(m_ptr + param_offs).to(tl.float32)[:, None]
+        v = v * tl.load(s_ptr + param_offs).to(tl.float32)[:, None] + low
+    elif not SCALE_ON_ACC and not PER_CHANNEL:
         v = v * tl.load(s_ptr + param_offs).to(tl.float32)[:, None]
     return v
 
 
 @triton.jit
-def _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size: tl.constexpr, stride_sg, NF4: tl.constexpr,
-                     HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SCALE_ON_ACC: tl.constexpr, DTYPE: tl.constexpr):
+def _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size: tl.constexpr, stride_sg,
+                     NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                     SCALE_ON_ACC: tl.constexpr, DTYPE: tl.constexpr):
     """A [BLOCK_N, 16] word tile dequantized by `_plane` into one [BLOCK_N, 128] tile of DTYPE in K order."""
     return _natural_order(
-        _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 0, NF4, HAS_ZERO, PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
-        _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 1, NF4, HAS_ZERO, PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
-        _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 2, NF4, HAS_ZERO, PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
-        _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 3, NF4, HAS_ZERO, PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
-        _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 4, NF4, HAS_ZERO, PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
-        _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 5, NF4, HAS_ZERO, PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
-        _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 6, NF4, HAS_ZERO, PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
-        _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, 7, NF4, HAS_ZERO, PER_CHANNEL, SCALE_ON_ACC).to(DTYPE))
+        _plane(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, 0, NF4, HAS_ZERO, HAS_MIN,
+               PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
+        _plane(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, 1, NF4, HAS_ZERO, HAS_MIN,
+               PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
+        _plane(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, 2, NF4, HAS_ZERO, HAS_MIN,
+               PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
+        _plane(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, 3, NF4, HAS_ZERO, HAS_MIN,
+               PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
+        _plane(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, 4, NF4, HAS_ZERO, HAS_MIN,
+               PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
+        _plane(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, 5, NF4, HAS_ZERO, HAS_MIN,
+               PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
+        _plane(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, 6, NF4, HAS_ZERO, HAS_MIN,
+               PER_CHANNEL, SCALE_ON_ACC).to(DTYPE),
+        _plane(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, 7, NF4, HAS_ZERO, HAS_MIN,
+               PER_CHANNEL, SCALE_ON_ACC).to(DTYPE))
 
 
 def _i32(bits: int) -> int:

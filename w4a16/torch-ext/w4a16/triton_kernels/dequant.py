@@ -8,9 +8,9 @@ from .common import _WORDS, _tile_in_k_order
 
 @triton.jit
 def _dequant_kernel(
-    qw_ptr, s_ptr, z_ptr, cb_ptr, out_ptr,
+    qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, out_ptr,
     N, K, num_tiles, group_size: tl.constexpr, stride_qn, stride_sg, stride_on,
-    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr,
 ):
     """Write the dequantized weight ``[N, K]`` (stored K order) in the output's dtype, each 128-column tile
@@ -34,11 +34,11 @@ def _dequant_kernel(
         if tile < num_tiles:
             w = tl.load(qw_ptr + rows64[:, None] * stride_qn + tile * _WORDS + col[None, :], eviction_policy="evict_first")
             if PER_CHANNEL:
-                v = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, NF4, HAS_ZERO,
-                                     True, False, tl.float32) * scale
+                v = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, NF4,
+                                     HAS_ZERO, False, True, False, tl.float32) * scale
                 v = v.to(out_ptr.dtype.element_ty)
             else:
-                v = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, NF4, HAS_ZERO,
-                                     False, False, out_ptr.dtype.element_ty)
+                v = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, NF4,
+                                     HAS_ZERO, HAS_MIN, False, False, out_ptr.dtype.element_ty)
             k = tile * 128 + tl.arange(0, 128)
             tl.store(out_ptr + rows64[:, None] * stride_on + k[None, :], v, mask=row_ok & (k < K)[None, :])

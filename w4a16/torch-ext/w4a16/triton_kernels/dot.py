@@ -101,10 +101,10 @@ def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_
 
 @triton.jit
 def _dot_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
     M, N, K, num_tiles, tiles_per_split, group_size: tl.constexpr,
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
-    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SUBG: tl.constexpr,
+    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr, SUBG: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_K: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
     FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
@@ -115,7 +115,8 @@ def _dot_kernel(
     with FULL_TILE, the 8 planes interleaved back into natural K order and one dot of K=128.
 
     With one scale group per tile (SCALE_ON_ACC) the dots take the exact integers ``code - zero`` and the
-    tile's partial product is scaled once; smaller groups scale the dequantized values. SWAP_AB computes
+    tile's partial product is scaled once; smaller groups scale the dequantized values, as do weights with
+    minima (HAS_MIN: ``code * scale + min`` on the operand). SWAP_AB computes
     ``W @ x.T`` so the weight rows fill the MMA's M dimension when there are few tokens.
 
     PACKED (int4 with whole-tile or per-channel groups): the planes are ``(code - zero) / 16`` made by one
@@ -212,8 +213,8 @@ def _dot_kernel(
             wt = _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_size,
                                       not SCALE_ON_ACC and not PER_CHANNEL, NF4_HALF_SCALE, dot_dtype, EMULATE)
         elif FULL_TILE:
-            wt = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, NF4, HAS_ZERO,
-                                  PER_CHANNEL, SCALE_ON_ACC, dot_dtype)
+            wt = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, NF4,
+                                  HAS_ZERO, HAS_MIN, PER_CHANNEL, SCALE_ON_ACC, dot_dtype)
         if PACKED or FULL_TILE:
             if SWAP_AB:
                 part = tl.dot(wt, tl.trans(xk.to(dot_dtype)), part)
@@ -226,8 +227,8 @@ def _dot_kernel(
                     xj = tl.load(x_rows + kj[None, :], mask=m_ok[:, None] & (kj < K)[None, :], other=0.0)
                 else:
                     xj = tl.load(x_rows + kj[None, :], mask=m_ok[:, None], other=0.0)
-                wd = _plane(w, tile, rows, s_ptr, z_ptr, cb_ptr, zero, group_size, stride_sg, j, NF4, HAS_ZERO,
-                            PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
+                wd = _plane(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, j, NF4, HAS_ZERO,
+                            HAS_MIN, PER_CHANNEL, SCALE_ON_ACC).to(dot_dtype)
                 if SWAP_AB:
                     part = tl.dot(wd, tl.trans(xj.to(dot_dtype)), part)
                 else:

@@ -29,10 +29,10 @@ def _store_gemv_rows(result, rows, N, m, pid_n, pid_k, bias_ptr, out_ptr, stride
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
     N, K, num_tiles, tiles_per_split, group_size,
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
-    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, SUBG: tl.constexpr,
+    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr, SUBG: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, SWIGLU: tl.constexpr,
 ):
@@ -40,7 +40,9 @@ def _gemv_kernel(
 
     The [BLOCK_N, TILES, 16] word tile is loaded with 128-bit loads; each nibble position j is a
     contiguous run of 16 K-columns per word group, multiplied by the matching x run. Partial sums are
-    reduced once per scale group and scaled there (one multiply per group, not per weight).
+    reduced once per scale group and scaled there (one multiply per group, not per weight). With minima
+    (HAS_MIN: ``code * scale + min``) the partial sums take the codes as they are and each group adds
+    ``min * sum(x)`` over its columns, so the minimum costs one addition of x per weight, not a multiply.
 
     SWIGLU (a fused gate / up weight in the SwiGLU layout, BLOCK_N >= 16): the output is ``[M, N // 2]``,
     silu(gate) * up of each program's rows (split-K: the reduction kernel applies it to the partials).
@@ -76,6 +78,8 @@ def _gemv_kernel(
         # barriers and a serialized load) per nibble plane; removing them made the GEMV ~12% faster on the H200.
         k0 = tl.broadcast_to(tile[None, :, None] * 128 + col[None, None, :], (BLOCK_N, TILES, _WORDS))
         part = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+        if HAS_MIN:
+            x_sum = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
         for j in tl.static_range(8):
             kj = k0 + j * 16
             if MASK_X:
@@ -103,6 +107,9 @@ def _gemv_kernel(
                 f = (bits | _MAGIC_BITS).to(tl.float32, bitcast=True)
                 if HAS_ZERO:
                     f = f - (zero * weight + _MAGIC)
+                elif HAS_MIN:
+                    f = f - _MAGIC
+                    x_sum += xj
                 else:
                     f = f - (_MAGIC + 8.0 * weight)
                 part += f * (xj * (1.0 / weight))
@@ -112,9 +119,13 @@ def _gemv_kernel(
                     acc += psum
                 else:
                     group = (tile * 128 + j * 16) // group_size
-                    s = tl.load(s_ptr + group[None, :].to(tl.int64) * stride_sg + rows[:, None],
-                                mask=live[None, :], other=0.0)
+                    param_offs = group[None, :].to(tl.int64) * stride_sg + rows[:, None]
+                    s = tl.load(s_ptr + param_offs, mask=live[None, :], other=0.0)
                     acc += psum * s.to(tl.float32)
+                    if HAS_MIN:
+                        low = tl.load(m_ptr + param_offs, mask=live[None, :], other=0.0)
+                        acc += tl.sum(x_sum, axis=2) * low.to(tl.float32)
+                        x_sum = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
                 part = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
     result = tl.sum(acc, axis=1)
     if PER_CHANNEL:

@@ -14,11 +14,12 @@ from .dot import _dot_kernel
 from .gemv import _gemv_h2_kernel, _gemv_kernel, _x_to_fp16_kernel
 
 
-def _format_flags(zeros, codebook, group_size) -> dict:
+def _format_flags(zeros, mins, codebook, group_size) -> dict:
     per_channel = group_size == -1
     return {
         "NF4": codebook is not None,
         "HAS_ZERO": zeros is not None,
+        "HAS_MIN": mins is not None,
         "PER_CHANNEL": per_channel,
         "SUBG": 128 if per_channel else min(group_size, 128),
     }
@@ -57,21 +58,22 @@ def _gemv_grid(x, qweight, out, n, k, plan, bias) -> tuple:
     return grid, per_split, splits, target, flags
 
 
-def _launch_gemv(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, plan) -> None:
+def _launch_gemv(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     grid, per_split, splits, target, flags = _gemv_grid(x, qweight, out, n, k, plan, bias)
     m, num_tiles = x.shape[0], qweight.shape[1] // WORDS_PER_TILE
     _gemv_kernel[grid](
-        x, qweight, scales, _or(zeros, scales),
+        x, qweight, scales, _or(zeros, scales), _or(mins, scales),
         _or(codebook, scales), _or(bias, scales), target,
         n, k, num_tiles, per_split, qweight.shape[1] * 8 if group_size == -1 else group_size,
         x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), m * n,
-        **_format_flags(zeros, codebook, group_size), **flags,
+        **_format_flags(zeros, mins, codebook, group_size), **flags,
     )
     if splits > 1:
         _reduce_splits(target, bias, out, n, plan.get("swiglu", False))
 
 
-def _launch_gemv_h2(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, plan) -> None:
+def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
+    """`_gemv_h2_kernel`; `tuning.resolve` never picks it for weights with minima (`mins` is always None)."""
     grid, per_split, splits, target, flags = _gemv_grid(x, qweight, out, n, k, plan, bias)
     m, num_tiles = x.shape[0], qweight.shape[1] // WORDS_PER_TILE
     x_scaled = x.dtype == torch.bfloat16
@@ -101,13 +103,13 @@ def _launch_gemv_h2(x, qweight, scales, zeros, codebook, bias, out, n, k, group_
         _reduce_splits(target, bias, out, n, plan.get("swiglu", False))
 
 
-def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, plan) -> None:
+def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     m = x.shape[0]
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     block_m, block_n = plan["block_m"], plan["block_n"]
     per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
     splits = triton.cdiv(num_tiles, per_split)
-    flags = _format_flags(zeros, codebook, group_size)
+    flags = _format_flags(zeros, mins, codebook, group_size)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m) * (qweight.shape[0] // block_n), splits)
     # Scaled operands keep one accumulator chain (the MMA overlaps the next tile's dequantization).
@@ -118,14 +120,14 @@ def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size
     if plan.get("w_desc", False):
         qw_arg = TensorDescriptor(qweight, list(qweight.shape), [qweight.stride(0), 1], [block_n, WORDS_PER_TILE])
     _dot_kernel[grid](
-        x_arg, qw_arg, scales, _or(zeros, scales),
+        x_arg, qw_arg, scales, _or(zeros, scales), _or(mins, scales),
         _or(codebook, scales), _or(bias, scales), target,
         # a compile-time group size: the group of a tile is then a shift, not a division per K-tile (per channel
         # it is never read)
         m, n, k, num_tiles, per_split, 128 if group_size == -1 else group_size,
         x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), m * n,
         **flags, HAS_BIAS=bias is not None, PARTIAL=splits > 1, MASK_K=k % 128 != 0,
-        SCALE_ON_ACC=flags["SUBG"] == 128 and not flags["PER_CHANNEL"] and not scale_weights,
+        SCALE_ON_ACC=flags["SUBG"] == 128 and not flags["PER_CHANNEL"] and not scale_weights and mins is None,
         BLOCK_M=block_m, BLOCK_N=block_n, SWAP_AB=bool(plan.get("swap_ab", False)), STAGES=plan.get("num_stages", 2),
         FULL_TILE=bool(plan.get("full_tile", False)),
         # The interpreter computes bf16 dots wrongly (triton 3.9): it gets fp32 operands instead.
@@ -141,17 +143,17 @@ def _launch_dot(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size
         _reduce_splits(target, bias, out, n, plan.get("swiglu", False))
 
 
-def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None) -> torch.Tensor:
+def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None, mins=None) -> torch.Tensor:
     """Dequantized weight ``[n, k]`` in stored K order (rows of a chunk when qweight is a row slice)."""
     if out is None:
         out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     block_n, tiles = 32, 4
-    flags = _format_flags(zeros, codebook, group_size)
+    flags = _format_flags(zeros, mins, codebook, group_size)
     del flags["SUBG"]
     grid = (triton.cdiv(n, block_n), triton.cdiv(num_tiles, tiles))
     _dequant_kernel[grid](
-        qweight, scales, _or(zeros, scales),
+        qweight, scales, _or(zeros, scales), _or(mins, scales),
         _or(codebook, scales), out,
         n, k, num_tiles, 128 if group_size == -1 else group_size,  # a compile-time constant, unread per channel
         qweight.stride(0), scales.stride(0), out.stride(0),
@@ -160,7 +162,7 @@ def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=No
     return out
 
 
-def _launch_dequant_matmul(x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, plan) -> None:
+def _launch_dequant_matmul(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     """Dequantize (in row chunks of `chunk_n`, so the fp16 copy can stay in L2) and multiply with cuBLAS. With
     the SwiGLU epilogue cuBLAS writes the fused rows ``[M, n]`` (x's dtype, bias added in its epilogue) and the
     reduction kernel, with one split, applies silu(gate) * up in one more launch: a Triton kernel rather than
@@ -171,7 +173,8 @@ def _launch_dequant_matmul(x, qweight, scales, zeros, codebook, bias, out, n, k,
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         weight = dequantize(qweight[start:], scales[:, start:], None if zeros is None else zeros[:, start:],
-                            codebook, stop - start, k, group_size, x.dtype)
+                            codebook, stop - start, k, group_size, x.dtype,
+                            mins=None if mins is None else mins[:, start:])
         target = fused[:, start:stop]
         if bias is None:
             torch.mm(x, weight.t(), out=target)
@@ -185,13 +188,14 @@ _LAUNCHERS = {"gemv": _launch_gemv, "gemv_h2": _launch_gemv_h2, "dot": _launch_d
 
 
 def matmul(x, qweight, scales, zeros, codebook, bias, n, k, group_size, config, out=None,
-           swiglu=False) -> torch.Tensor:
+           swiglu=False, mins=None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for x ``[M, K]`` with unit column stride, already in stored K order; `config` (a
     table entry or an explicit one) is resolved here, once, into the plan the launchers run. `swiglu`: W is a
     fused gate / up weight in the SwiGLU layout (n a multiple of 16) and the result ``[M, n // 2]`` is
-    silu(gate) * up, computed in each kernel's epilogue from its fp32 accumulators."""
+    silu(gate) * up, computed in each kernel's epilogue from its fp32 accumulators. `mins`: the weight's float
+    minima (`formats.QuantizedWeight.mins`) or None."""
     if out is None:
         out = torch.empty(x.shape[0], n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
-    plan = resolve(config, x, codebook, group_size, swiglu)
-    _LAUNCHERS[plan["kernel"]](x, qweight, scales, zeros, codebook, bias, out, n, k, group_size, plan)
+    plan = resolve(config, x, codebook, group_size, swiglu, has_mins=mins is not None)
+    _LAUNCHERS[plan["kernel"]](x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan)
     return out
