@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from . import layers, ops
+from . import layers, ops, parallel
 from .layers import experts_forward
+from .parallel import ExpertParallel
 
-__all__ = ["route", "fused_experts", "moe_forward", "experts_forward", "layers"]
+__all__ = ["route", "fused_experts", "moe_forward", "experts_forward", "ExpertParallel", "layers"]
 
 
 def route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True,
@@ -28,15 +29,23 @@ def route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", 
 
 
 def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, activation: str = "silu") -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, activation: str = "silu",
+                  expert_parallel: ExpertParallel | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j] -> [T, H].
 
     hidden_states [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I]; the layout of
     transformers' experts modules. fp16, bf16 or fp32.
+
+    With `expert_parallel` (an `ExpertParallel`), the weights are this rank's shard [E/W, ...] (`ep.shard(w)`),
+    topk_ids are global ids in [0, E), and every rank of the group calls with its own tokens: tokens go to
+    the ranks that hold their experts by all-to-all and come back combined (see parallel.py).
     """
     ops.require_tensors(hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_weights=topk_weights,
                         topk_ids=topk_ids)
     ops.check_types(activation=(activation, str))
+    if expert_parallel is not None:
+        return parallel.fused_experts(expert_parallel, hidden_states, w_gate_up, w_down, topk_weights, topk_ids,
+                                      activation)
     return ops.fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation)
 
 
@@ -44,15 +53,24 @@ def moe_forward(hidden_states: torch.Tensor, router_weight: torch.Tensor, w_gate
                 w_down: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True,
                 correction_bias: torch.Tensor | None = None, num_groups: int | None = None,
                 topk_groups: int | None = None, scaling_factor: float = 1.0,
-                shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
+                shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
+                expert_parallel: ExpertParallel | None = None) -> torch.Tensor:
     """The whole MoE block on hidden_states [..., H]: router logits (hidden_states @ router_weight^T, in the
     router weight's dtype), `route`, `fused_experts`, plus an optional shared expert applied to every
-    token (shared_gate_up [2I', H], shared_down [H, I'])."""
+    token (shared_gate_up [2I', H], shared_down [H, I']).
+
+    With `expert_parallel`, router_weight is the full [E, H] (replicated), w_gate_up / w_down this rank's
+    shard [E/W, ...], the shared expert replicated; every rank of the group calls with its own tokens."""
     ops.require_tensors(hidden_states=hidden_states, router_weight=router_weight, w_gate_up=w_gate_up, w_down=w_down,
                         correction_bias=correction_bias, shared_gate_up=shared_gate_up, shared_down=shared_down)
     ops.check_int("top_k", top_k, 1)
     ops.check_types(scoring=(scoring, str), renormalize=(renormalize, bool), scaling_factor=(scaling_factor, (float, int)))
     flat = hidden_states.reshape(-1, hidden_states.shape[-1]) if hidden_states.dim() != 2 else hidden_states
+    if expert_parallel is not None:
+        out = parallel.moe_forward(expert_parallel, flat, router_weight, w_gate_up, w_down, top_k, scoring,
+                                   renormalize, correction_bias, num_groups, topk_groups, scaling_factor,
+                                   shared_gate_up, shared_down)
+        return out.view(hidden_states.shape)
     out = ops.moe_forward(flat, router_weight, w_gate_up, w_down, top_k, scoring, renormalize, correction_bias,
                           num_groups, topk_groups, scaling_factor, shared_gate_up, shared_down)
     return out.view(hidden_states.shape)

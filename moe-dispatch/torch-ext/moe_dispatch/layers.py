@@ -9,6 +9,13 @@ transformers 5.x MoE models keep their routed experts in one `*Experts` module w
     model.set_experts_implementation("moe_dispatch")
 
 or map the `MoEExperts` layer onto the experts class with `kernels.kernelize`.
+
+Expert parallelism through transformers (`from_pretrained(..., distributed_config=DistributedConfig(
+ep_size=...))`): the module holds this rank's shard (`num_experts` = E/W, `_is_expert_parallel`) and
+transformers moves the tokens. Its default plan (`ep_dispatch_experts`) all-to-alls the tokens and calls
+this forward on the received ones with local ids; the router plan (`ep_router` + `moe_tp_experts`) calls it
+on every token with local ids and the sentinel id E/W for experts on other ranks (weights zeroed there),
+then all-reduces. Either way this forward is the local computation; sentinel slots select nothing.
 """
 
 from __future__ import annotations
@@ -32,8 +39,6 @@ def _unsupported(module: nn.Module) -> str | None:
         return "it needs concatenated gate/up weights [E, 2I, H] and down weights [E, H, I] without bias"
     if getattr(module, "has_post_expert_norm", False):
         return "it has a norm after each expert (has_post_expert_norm)"
-    if getattr(module, "_is_expert_parallel", False):
-        return "its experts are sharded for expert parallelism (ids of other ranks' experts)"
     gate = getattr(cls, "_apply_gate", None)
     if gate is not None and (gate.__module__, gate.__name__) != ("transformers.integrations.moe", "_default_apply_gate"):
         return f"it computes its own gate ({cls.__qualname__}._apply_gate), not SiLU(gate) * up"
@@ -51,14 +56,24 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     """The routed experts of a transformers `*Experts` module (its own attributes and layout flags).
 
     Refuses (ValueError) a module whose eager forward differs from SiLU(gate) * up experts: its own gate,
-    another activation, bias, a post-expert norm, other layouts, expert-parallel shards.
+    another activation, bias, a post-expert norm, other layouts. A module sharded by transformers' expert
+    parallelism (`_is_expert_parallel`) holds its rank's experts; id `num_experts` (transformers' sentinel
+    for an expert on another rank) selects nothing, and DTensor parameters are read as their local shard.
     """
     require_tensors(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights)
     reason = _unsupported(self)
     if reason is not None:
         raise ValueError(f"moe-dispatch cannot run {type(self).__name__}: {reason}; use transformers' own "
                          f"experts implementation (e.g. set_experts_implementation('grouped_mm')) for this model")
-    return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_weights, top_k_index, "silu")
+    sharded = bool(getattr(self, "_is_expert_parallel", False))
+    gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+    return fused_experts(hidden_states, gate_up, down, top_k_weights, top_k_index, "silu", sharded)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local shard (transformers usually swaps those in around the forward)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 class MoEExperts(nn.Module):

@@ -115,7 +115,8 @@ def _check_weights(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down:
 
 
 def _check_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str) -> None:
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                   allow_sentinel: bool = False) -> None:
     _check_weights(hidden_states, w_gate_up, w_down)
     check_tensor("topk_weights", topk_weights, 2, FLOAT_DTYPES)
     check_tensor("topk_ids", topk_ids, 2, ID_DTYPES)
@@ -123,18 +124,21 @@ def _check_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down:
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
                          f"be [T, k] with T={hidden_states.shape[0]}")
-    if topk_ids.shape[1] > w_down.shape[0]:
+    # With sentinels the experts are one rank's shard: a token may name more experts than the shard holds.
+    if topk_ids.shape[1] > w_down.shape[0] and not allow_sentinel:
         raise ValueError(f"top_k={topk_ids.shape[1]} exceeds the number of experts ({w_down.shape[0]})")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
-def _check_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Range check, only where it needs no device sync (CPU tensors); on GPUs such ids select nothing."""
+def _check_id_values(topk_ids: torch.Tensor, num_experts: int, allow_sentinel: bool = False) -> None:
+    """Range check, only where it needs no device sync (CPU tensors); on GPUs such ids select nothing.
+    `allow_sentinel`: id E is expected (an expert-parallel slot whose expert is on another rank)."""
     if topk_ids.device.type == "cpu" and topk_ids.numel():
         low, high = int(topk_ids.min()), int(topk_ids.max())
-        if low < 0 or high >= num_experts:
-            raise ValueError(f"topk_ids must lie in [0, {num_experts}), got values in [{low}, {high}]")
+        if low < 0 or high >= num_experts + int(allow_sentinel):
+            allowed = f"[0, {num_experts}]" if allow_sentinel else f"[0, {num_experts})"
+            raise ValueError(f"topk_ids must lie in {allowed}, got values in [{low}, {high}]")
 
 
 def _check_moe(hidden_states, router_weight, w_gate_up, w_down, shared_gate_up, shared_down) -> None:
@@ -193,9 +197,13 @@ def _(router_logits, top_k, scoring, renormalize, correction_bias, num_groups, t
 
 @torch.library.custom_op(add_op_namespace_prefix("fused_experts"), mutates_args=())
 def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
-    _check_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation)
-    _check_id_values(topk_ids, w_down.shape[0])
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                  allow_sentinel: bool = False) -> torch.Tensor:
+    """`allow_sentinel`: the weights are one rank's expert shard [E_local, ...] and id E_local (transformers'
+    expert-parallel sentinel, also parallel.py's) marks a slot whose expert is elsewhere; it selects nothing.
+    Without it, an id outside [0, E) is an error on CPU tensors (on GPUs it selects nothing, unchecked)."""
+    _check_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation, allow_sentinel)
+    _check_id_values(topk_ids, w_down.shape[0], allow_sentinel)
     if use_triton(hidden_states):
         out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
         return triton_kernels.experts(_rows(hidden_states), _rows(w_gate_up), _rows(w_down),
@@ -204,8 +212,8 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
 
 
 @fused_experts.register_fake
-def _(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation):
-    _check_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation)
+def _(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation, allow_sentinel=False):
+    _check_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, activation, allow_sentinel)
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
