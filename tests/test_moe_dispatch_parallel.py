@@ -519,10 +519,12 @@ def _gpu_child(rank: int, world: int, built: str, tmp: str) -> None:
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.cuda.synchronize()
-        errors = {"eager": ((eager.float() - ref.float()).norm() / ref.float().norm()).item(),
-                  "graph": ((captured.float() - k.moe_forward(x, router, w_gate_up, w_down, top_k).float()).norm()
-                            / ref.float().norm()).item(),
-                  "dropped": ep.dropped_count()}
+        ref_new = k.moe_forward(x, router, w_gate_up, w_down, top_k).float()
+
+        def error(out, reference):
+            return ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+
+        errors = {"eager": error(eager, ref), "graph": error(captured, ref_new), "dropped": ep.dropped_count()}
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(errors))
     finally:
         torch.distributed.destroy_process_group()

@@ -47,7 +47,8 @@ def _bench_ep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.kernels != ["moe-dispatch"]:
         parser.error("--ep is the moe-dispatch expert-parallel benchmark: python scripts/bench.py moe-dispatch --ep")
     try:
-        world_sizes = moe_dispatch.ep_world_sizes(args.ep, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        world_sizes = moe_dispatch.ep_world_sizes(args.ep, gpus)
     except ValueError as exc:
         parser.error(str(exc))
     (project,) = Workspace.load().kernels(args.kernels)

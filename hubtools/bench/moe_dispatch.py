@@ -511,7 +511,8 @@ def _ep_case_rows(k, clock: _Clock, ep_group, name: str, model: Model, layer: La
         err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item() if tokens else 0.0
         err = clock.slowest(err if math.isfinite(err) else float("inf"))
         if err > 5e-2:
-            raise RuntimeError(f"{label} {mode}: EP output differs from the single-GPU kernel (relative error {err:.3g})")
+            raise RuntimeError(f"{label} {mode}: EP output differs from the single-GPU kernel "
+                               f"(relative error {err:.3g})")
         t_ours = clock.graph(ours, EP_COPIES) if timing == "graph" else clock.eager(ours, EP_COPIES)
         dropped = int(clock.slowest(ep.dropped_count()))
 
