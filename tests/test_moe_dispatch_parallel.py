@@ -437,6 +437,30 @@ def test_ep_benchmark_refuses_without_two_gpus(capsys):
     assert "--ep is the moe-dispatch expert-parallel benchmark" in capsys.readouterr().err
 
 
+def test_ep_benchmark_cli_writes_after_each_world_size(monkeypatch, tmp_path):
+    """With GPUs faked: the plan reaches run_ep and each world size's results land in one merged file."""
+    from hubtools.bench import moe_dispatch as bench
+    from hubtools.bench.cli import bench_main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    seen = []
+
+    def fake_run_ep(built, world_sizes, progress):
+        assert (Path(built) / "build").is_dir()
+        seen.append(world_sizes)
+        for done in range(1, len(world_sizes) + 1):
+            progress({"mode": "expert-parallel", "env": {}, "world_sizes": world_sizes[:done],
+                      "rows": [{"case": f"m W={w}", "world_size": w} for w in world_sizes[:done]]})
+
+    monkeypatch.setattr(bench, "run_ep", fake_run_ep)
+    assert bench_main(["moe-dispatch", "--ep", "--out-dir", str(tmp_path)]) == 0
+    assert bench_main(["moe-dispatch", "--ep", "2", "--out-dir", str(tmp_path)]) == 0
+    assert seen == [[2, 4], [2]]
+    written = json.loads((tmp_path / "moe-dispatch-ep-results.json").read_text())
+    assert written["world_sizes"] == [2, 4] and sorted(r["world_size"] for r in written["rows"]) == [2, 4]
+
+
 def test_ep_goals():
     from hubtools.bench import moe_dispatch as bench
 
@@ -451,6 +475,22 @@ def test_ep_goals():
     assert [(g["case"], g["value"], g["met"]) for g in goals] == [("deepseek-v3 W=2 T=4096", 1.2, True),
                                                                   ("deepseek-v3 W=4 T=4096", 1.5, False)]
     assert all(g["target"] == 1.3 and g["at_most"] for g in goals)
+
+
+def test_ep_results_of_two_hosts_merge():
+    from hubtools.bench import moe_dispatch as bench
+
+    def results(sizes, tag):
+        return {"mode": "expert-parallel", "env": {"host": tag}, "world_sizes": sizes,
+                "rows": [{"case": f"m W={w} T=1", "world_size": w, "tag": tag} for w in sizes]}
+
+    first = bench.merge_ep_results(None, results([2], "a"))
+    merged = bench.merge_ep_results(first, results([4, 8], "b"))
+    assert merged["world_sizes"] == [2, 4, 8]
+    assert [(r["world_size"], r["tag"]) for r in merged["rows"]] == [(2, "a"), (4, "b"), (8, "b")]
+    assert merged["env_by_world_size"] == {"2": {"host": "a"}, "4": {"host": "b"}, "8": {"host": "b"}}
+    again = bench.merge_ep_results(merged, results([2], "c"))
+    assert sorted((r["world_size"], r["tag"]) for r in again["rows"]) == [(2, "c"), (4, "b"), (8, "b")]
 
 
 def test_ep_benchmark_runs_on_cpu(built_kernel_dir):

@@ -52,10 +52,14 @@ def _bench_ep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     (project,) = Workspace.load().kernels(args.kernels)
-    with tempfile.TemporaryDirectory() as tmp:
-        results = moe_dispatch.run_ep(build_kernel(project, Path(tmp)), world_sizes)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"{moe_dispatch.EP_RESULTS_NAME}-results.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
+    old = json.loads(path.read_text()) if path.exists() else None  # rows of other world sizes are kept
+
+    def write(results: dict) -> None:  # after each world size
+        path.write_text(json.dumps(moe_dispatch.merge_ep_results(old, results), indent=1) + "\n")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        moe_dispatch.run_ep(build_kernel(project, Path(tmp)), world_sizes, progress=write)
     print(f"moe-dispatch --ep: wrote {path}")
     return 0

@@ -482,6 +482,8 @@ def _ep_case_rows(k, clock: _Clock, ep_group, name: str, model: Model, layer: La
 
     def grouped(i):
         sorted_x, act, offsets = gmm_inputs[i]
+        if sorted_x.shape[0] == 0:  # none of this rank's experts picked (small T): nothing to multiply
+            return None
         torch._grouped_mm(sorted_x, w_gate_up.transpose(1, 2), offs=offsets)
         return torch._grouped_mm(act, w_down.transpose(1, 2), offs=offsets)
 
@@ -604,9 +606,10 @@ def _ep_worker(rank: int, world: int, built: str, store: str, device_type: str, 
 
 def run_ep(built, world_sizes: list[int], *, models: dict[str, Model] | None = None,
            tokens: tuple[int, ...] = EP_TOKENS, variable_from: int = EP_VARIABLE_FROM, device_type: str = "cuda",
-           timeout: float = 3600) -> dict:
+           timeout: float = 3600, progress=None) -> dict:
     """Every world size in turn: W processes (forkserver, so none inherits a CUDA context), one per GPU,
-    each loading the kernel from `built` (a `build_kernel` folder). Returns the results dict.
+    each loading the kernel from `built` (a `build_kernel` folder). Returns the results dict; `progress`, if
+    given, gets the results so far after each world size (so a run stopped later keeps them).
     device_type="cpu" runs the same code with gloo on CPU processes (the tests' smoke run)."""
     import json
     import multiprocessing
@@ -617,7 +620,8 @@ def run_ep(built, world_sizes: list[int], *, models: dict[str, Model] | None = N
 
     models = models if models is not None else {name: MODELS[name] for name in EP_MODELS}
     multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "kernels"])  # imports each rank needs
-    rows, ceilings = [], None
+    rows, ceilings, done = [], None, []
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in world_sizes:
             store, out = Path(tmp) / f"store-{world}", Path(tmp) / f"rows-{world}.json"
@@ -628,11 +632,29 @@ def run_ep(built, world_sizes: list[int], *, models: dict[str, Model] | None = N
             part = json.loads(out.read_text())
             rows += part["rows"]
             ceilings = ceilings or part["ceilings"]
-    return {"kernel": "moe-dispatch", "mode": "expert-parallel",
-            "env": environment(device="cuda" if device_type == "cuda" else "cpu"),
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device_type == "cuda" else None,
-            "world_sizes": list(world_sizes), "copy_bandwidth": ceilings[0], "matmul_flops": ceilings[1],
-            "rows": rows, "notes": EP_NOTES}
+            done.append(world)
+            results = {"kernel": "moe-dispatch", "mode": "expert-parallel",
+                       "env": environment(device="cuda" if device_type == "cuda" else "cpu"),
+                       "nccl": str(torch.cuda.nccl.version()) if device_type == "cuda" else None,
+                       "world_sizes": list(done), "copy_bandwidth": ceilings[0], "matmul_flops": ceilings[1],
+                       "rows": list(rows), "notes": EP_NOTES}
+            if progress is not None:
+                progress(results)
+    return results
+
+
+def merge_ep_results(old: dict | None, new: dict) -> dict:
+    """`new` plus the rows of `old` (an earlier --ep results file) at world sizes `new` did not run, so runs
+    on hosts of different sizes (e.g. --ep 2 on one, --ep 4 on another) make one file; each world size keeps
+    the environment it was measured in (`env_by_world_size`)."""
+    envs = {str(w): new["env"] for w in new["world_sizes"]}
+    if not old or old.get("mode") != "expert-parallel":
+        return {**new, "env_by_world_size": envs}
+    kept = [r for r in old["rows"] if r["world_size"] not in new["world_sizes"]]
+    old_envs = old.get("env_by_world_size", {str(w): old["env"] for w in old.get("world_sizes", [])})
+    envs = {**{w: e for w, e in old_envs.items() if int(w) not in new["world_sizes"]}, **envs}
+    sizes = sorted({r["world_size"] for r in kept} | set(new["world_sizes"]))
+    return {**new, "world_sizes": sizes, "rows": kept + new["rows"], "env_by_world_size": envs}
 
 
 def _join(context, timeout: float) -> None:
