@@ -1,4 +1,6 @@
-"""Session fixtures: kernels are built with the real builder and loaded with `kernels.get_local_kernel`.
+"""Session fixtures for every test folder (`tests/` and each kernel's `<kernel>/tests/`, where kernel-builder's
+layout keeps a kernel's own tests): kernels are built with the real builder and loaded with
+`kernels.get_local_kernel`.
 
 Tests never import the source tree, so packaging is exercised on every run. Without CUDA the session
 runs Triton kernels through the interpreter (TRITON_INTERPRET must be set before triton is imported).
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 if not torch.cuda.is_available():
