@@ -22,6 +22,8 @@ FORMATS = [  # (fmt, zero_point, group_size)
     ("nf4", False, 64),
     ("nf4", False, 128),
     ("nf4", False, -1),
+    ("int4", "float", 32),  # float minima in groups of 32: the layout GGUF Q4_1 / Q4_K imports take
+    ("int4", "float", 128),
 ]
 
 
@@ -46,7 +48,7 @@ def _check_launch(k, x, qw, bias, config):
     n, kk = qw.shape
     out = torch.full((x.shape[0], n), float("nan"), device="cuda", dtype=x.dtype)
     k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, qw.group_size, config,
-                            out=out)
+                            out=out, mins=qw.mins)
     assert not out.isnan().any()
     assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[x.dtype]
 
@@ -113,6 +115,18 @@ def test_explicit_configs_write_every_output(k, config, zero_point):
     qw = k.quantize(_weight(n, kk, torch.bfloat16, seed=2), group_size=-1, zero_point=zero_point)
     x = torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    _check_launch(k, x, qw, bias, config)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_explicit_configs_with_minima(k, config, group_size):
+    """Float minima on each launch path (configs that need integer zeros fall back inside `resolve`), K = 4992:
+    groups of 32 and 128 that end inside the last 128-column tile for g32."""
+    n, kk, m = 3000, 4992 if group_size == 32 else 5120, 5
+    qw = k.quantize(_weight(n, kk, torch.float16, seed=3), group_size=group_size, zero_point="float")
+    x = torch.randn(m, kk, device="cuda", dtype=torch.float16)
+    bias = torch.randn(n, device="cuda", dtype=torch.float16)
     _check_launch(k, x, qw, bias, config)
 
 
@@ -224,7 +238,8 @@ SWIGLU_CONFIGS = {  # every path with the SwiGLU epilogue; resolve makes the GEM
                                 "num_warps": 4, "num_stages": 3, "full_tile": True},
     "dequant-chunks": {"kernel": "dequant", "chunk_n": 1024},
 }
-SWIGLU_FORMATS = [("int4", False, 128), ("int4", True, 128), ("int4", True, 64), ("int4", True, -1), ("nf4", False, 64)]
+SWIGLU_FORMATS = [("int4", False, 128), ("int4", True, 128), ("int4", True, 64), ("int4", True, -1), ("nf4", False, 64),
+                  ("int4", "float", 32)]
 
 
 def _swiglu_reference(k, x, gate, up, biases):
@@ -256,7 +271,7 @@ def test_swiglu_epilogue_vs_float64(k, path, fmt, zero_point, group_size, dtype)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
     out = torch.full((m, inter), float("nan"), device="cuda", dtype=dtype)
     k.triton_kernels.matmul(x, fused.qweight, fused.scales, fused.zeros, fused.codebook, bias, 2 * inter, kk,
-                            group_size, config, out=out, swiglu=True)
+                            group_size, config, out=out, swiglu=True, mins=fused.mins)
     assert not out.isnan().any()
     assert _rel_err(out, _swiglu_reference(k, x, gate, up, biases)) < TOL[dtype]
 
