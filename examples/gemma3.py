@@ -45,6 +45,9 @@ DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "e2e-gemma3-cpu-results.json"
 
 # name -> quantize_model arguments (None: the model as loaded); "gptq": w4a16's GPTQ on CALIBRATION.
 VARIANTS = {"unquantized": None}
+# The file's own 4-bit tensors (Q4_K: attn_output and half of ffn_down) imported exactly by w4a16.load_gguf, the
+# rest left as transformers dequantized it: the unquantized model's weights, those layers in 4 bits.
+VARIANTS["gguf-q4_k"] = dict(fmt="int4", group_size=32, zero_point="float minima", gguf=True)
 # int4 g64 symmetric last, so that a run cut short still has the others.
 for fmt, group_size, zero_point in (("int4", 128, True), ("int4", 128, False), ("int4", 64, True), ("nf4", 64, False),
                                     ("nf4", 128, False), ("int4", 64, False)):
@@ -87,7 +90,8 @@ def main() -> None:
             log(f"calibration text: {sum(b.numel() for b in calibration)} tokens in {time.perf_counter() - t:.1f} s")
         for name in args.variants:
             log(f"[{name}]")
-            results["rows"].append(run_variant(name, VARIANTS[name], model, tokenizer, ids, w4a16, args, calibration))
+            results["rows"].append(run_variant(name, VARIANTS[name], model, tokenizer, ids, w4a16, args, calibration,
+                                               gguf_file))
             base = next((r["perplexity"] for r in results["rows"] if r["variant"] == "unquantized"), None)
             for row in results["rows"]:
                 row["ppl_ratio_vs_unquantized"] = None if base is None else row["perplexity"] / base
@@ -129,10 +133,16 @@ def load_gemma3():
     return model.to(torch.bfloat16).eval(), tokenizer, path, {k: dict(v) for k, v in sorted(tensor_types.items())}
 
 
-def run_variant(name, spec, model, tokenizer, ids, w4a16, args, calibration) -> dict:
+def run_variant(name, spec, model, tokenizer, ids, w4a16, args, calibration, gguf_path=None) -> dict:
     model = copy.deepcopy(model)  # each variant starts from the loaded model
     group_sizes, quantize_s = {}, None
-    if spec is not None:
+    if spec is not None and spec.get("gguf"):
+        t = time.perf_counter()
+        counts = w4a16.load_gguf(model, gguf_path)
+        group_sizes = {32: sum(n for kind, n in counts.items() if "left" not in kind)}
+        quantize_s = round(time.perf_counter() - t, 1)
+        log(f"  imported the GGUF's 4-bit tensors in {quantize_s} s: {counts}")
+    elif spec is not None:
         t = time.perf_counter()
         group_sizes = quantize(model, w4a16, spec["fmt"], spec["group_size"], spec["zero_point"],
                                calibration if spec.get("gptq") else None)
@@ -147,7 +157,8 @@ def run_variant(name, spec, model, tokenizer, ids, w4a16, args, calibration) -> 
         "format": "bfloat16" if spec is None else spec["fmt"],
         "group_size": None if spec is None else spec["group_size"],
         "zero_point": None if spec is None else spec["zero_point"],
-        "method": None if spec is None else "gptq" if spec.get("gptq") else "round-to-nearest",
+        "method": None if spec is None else "gptq" if spec.get("gptq") else "gguf import" if spec.get("gguf")
+        else "round-to-nearest",
         "layers_per_group_size": {str(g): n for g, n in group_sizes.items()},
         "perplexity": ppl,
         "ppl_ratio_vs_unquantized": None,
