@@ -433,6 +433,13 @@ def gemma3_section(results: dict) -> list[str]:
     if base is not None:
         lines += [f"Unquantized ({model['dtype']}): perplexity {base['perplexity']:.3f}, linear weights "
                   f"{base['weight_bytes'] / 1e6:.1f} MB.", ""]
+    imported = rows.get("gguf-q4_k")
+    if imported is not None and base is not None:
+        layers = sum(imported["layers_per_group_size"].values())
+        lines += [f"The file's own Q4_K tensors under {layers} linear layers (`w4a16.load_gguf`, float minima in "
+                  f"groups of 32; the others as dequantized): perplexity {imported['perplexity']:.3f} "
+                  f"({imported['ppl_ratio_vs_unquantized']:.4f}x the unquantized model's), linear weights "
+                  f"{imported['weight_bytes'] / 1e6:.1f} MB.", ""]
     lines += ["| format | group | round-to-nearest | vs unquantized | GPTQ | vs unquantized | "
               "GPTQ increase / RTN increase | linear weights MB |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]
