@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops import fused_experts, require_tensors
+from .ops import check_quantized_pair, fused_experts, fused_experts_4bit, require_tensors
+from .quantized import QuantizedExperts
 
 
 # transformers' SiLU modules (ACT2FN["silu"] and ACT2FN["swish"]), named so that this package needs no
@@ -45,9 +46,41 @@ def _unsupported(module: nn.Module) -> str | None:
     act = getattr(module, "act_fn", None)
     if act is not torch.nn.functional.silu and (type(act).__module__, type(act).__name__) not in _SILU_TYPES:
         return f"its activation is {type(act).__name__}, and the kernel computes SiLU(gate) * up"
+    kinds = set()
     for name in ("gate_up_proj", "down_proj"):
-        if not isinstance(getattr(module, name, None), torch.Tensor):
-            return f"it has no {name} tensor"
+        reason = _unsupported_weight(module, name)
+        if reason is not None:
+            return reason
+        kinds.add(isinstance(getattr(module, name), QuantizedExperts))
+    if len(kinds) > 1:
+        return "one of gate_up_proj / down_proj is a QuantizedExperts and the other is not (quantize both)"
+    return None
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Tensors other quantization schemes keep next to (or instead of) an experts weight: transformers' MXFP4
+# (gpt-oss: *_blocks, *_scales), FP8 (*_scale_inv, *_scale), GPTQ / AWQ-style packs (*_qweight, *_qzeros).
+_FOREIGN_SUFFIXES = ("_blocks", "_scales", "_scale", "_scale_inv", "_weight_scale", "_qweight", "_qzeros",
+                     "_zeros", "_absmax", "_quant_state")
+
+
+def _unsupported_weight(module: nn.Module, name: str) -> str | None:
+    """Why the experts weight `name` is not something this kernel takes (a float tensor or moe-dispatch's
+    QuantizedExperts), or None: weights quantized by other schemes are refused, not misread."""
+    weight = getattr(module, name, None)
+    foreign = [name + suffix for suffix in _FOREIGN_SUFFIXES if getattr(module, name + suffix, None) is not None]
+    if isinstance(weight, QuantizedExperts):
+        return None
+    if foreign or (weight is not None and not isinstance(weight, torch.Tensor)) or (
+            isinstance(weight, torch.Tensor) and (weight.dtype not in _FLOAT_DTYPES
+                                                  or getattr(weight, "quant_state", None) is not None)):
+        what = (f"{', '.join(foreign)} next to it" if foreign else type(weight).__name__ if not
+                isinstance(weight, torch.Tensor) else f"dtype {weight.dtype}")
+        return (f"its {name} is quantized by a scheme this kernel does not read ({what}); it takes float experts "
+                f"or its own 4-bit QuantizedExperts (moe_dispatch.quantize_experts_module(module) quantizes float "
+                f"experts; importers for other checkpoints' 4-bit experts are not implemented)")
+    if weight is None:
+        return f"it has no {name} tensor"
     return None
 
 
@@ -56,7 +89,10 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     """The routed experts of a transformers `*Experts` module (its own attributes and layout flags).
 
     Refuses (ValueError) a module whose eager forward differs from SiLU(gate) * up experts: its own gate,
-    another activation, bias, a post-expert norm, other layouts. A module sharded by transformers' expert
+    another activation, bias, a post-expert norm, other layouts, and experts quantized by other schemes
+    (integer / FP8 dtypes, bitsandbytes' quant_state, MXFP4 blocks, GPTQ-style packs). 4-bit experts in this
+    package's format (`QuantizedExperts` as gate_up_proj and down_proj, e.g. by `quantize_experts_module`) run
+    in the 4-bit kernels. A module sharded by transformers' expert
     parallelism (`_is_expert_parallel`) holds its rank's experts; id `num_experts` (transformers' sentinel
     for an expert on another rank) selects nothing, and DTensor parameters are read as their local shard.
     """
@@ -66,6 +102,11 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         raise ValueError(f"moe-dispatch cannot run {type(self).__name__}: {reason}; use transformers' own "
                          f"experts implementation (e.g. set_experts_implementation('grouped_mm')) for this model")
     sharded = bool(getattr(self, "_is_expert_parallel", False))
+    if isinstance(self.gate_up_proj, QuantizedExperts):  # 4-bit experts (quantize_experts_module)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        intermediate = check_quantized_pair(hidden_states, gate_up, down)
+        return fused_experts_4bit(hidden_states, *gate_up.flat(), *down.flat(), intermediate, top_k_weights,
+                                  top_k_index, "silu", sharded)
     gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
     return fused_experts(hidden_states, gate_up, down, top_k_weights, top_k_index, "silu", sharded)
 

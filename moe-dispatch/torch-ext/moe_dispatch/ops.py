@@ -14,6 +14,7 @@ import torch
 
 from . import reference
 from ._ops import add_op_namespace_prefix
+from .quantized import QuantizedExperts, from_flat
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
@@ -162,6 +163,100 @@ def _check_moe(hidden_states, router_weight, w_gate_up, w_down, shared_gate_up, 
                        shared_gate_up=shared_gate_up, shared_down=shared_down)
 
 
+def _quantized_experts(name: str, flat: tuple, shape: tuple[int, int], hidden_states: torch.Tensor) -> QuantizedExperts:
+    """A QuantizedExperts of per-expert `shape` rebuilt from an op's arguments; errors name the argument."""
+    qweight, scales, zeros, mins, codebook, group_size = flat
+    require_tensors(**{f"{name}.{field}": t for field, t in zip(("qweight", "scales", "zeros", "mins", "codebook"),
+                                                                  flat[:5])})
+    check_int(f"{name}.group_size", group_size, -1)
+    try:
+        qe = from_flat(qweight, scales, zeros, mins, codebook, group_size, shape, hidden_states.dtype)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name}: {error}") from None
+    if qe.device != hidden_states.device:
+        raise ValueError(f"{name} is on {qe.device} but hidden_states is on {hidden_states.device}")
+    return qe
+
+
+def _check_quantized_weights(hidden_states: torch.Tensor, gate_up: tuple, down: tuple,
+                             intermediate: int) -> tuple[QuantizedExperts, QuantizedExperts]:
+    """4-bit experts of H = hidden_states' width and I = `intermediate`: w_gate_up (2I, H), w_down (H, I) per
+    expert, the same number of experts."""
+    check_tensor("hidden_states", hidden_states, 2, FLOAT_DTYPES)
+    check_int("intermediate", intermediate, 1)
+    hidden = hidden_states.shape[1]
+    w_gate_up = _quantized_experts("w_gate_up", gate_up, (2 * intermediate, hidden), hidden_states)
+    w_down = _quantized_experts("w_down", down, (hidden, intermediate), hidden_states)
+    if w_down.num_experts != w_gate_up.num_experts:
+        raise ValueError(f"w_down holds {w_down.num_experts} experts, w_gate_up {w_gate_up.num_experts}")
+    return w_gate_up, w_down
+
+
+def check_quantized_pair(hidden_states, w_gate_up, w_down) -> int:
+    """The intermediate size I of a (w_gate_up, w_down) pair of QuantizedExperts for hidden_states [T, H];
+    TypeError / ValueError naming the argument (both must be 4-bit, of matching shapes)."""
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not isinstance(w, QuantizedExperts):
+            raise TypeError(f"{name} must be a QuantizedExperts when the other expert weight is one (4-bit "
+                            f"experts: both quantized, e.g. by quantize_experts), got {type(w).__name__}")
+    check_tensor("hidden_states", hidden_states, 2, FLOAT_DTYPES)
+    two_i, hidden = w_gate_up.shape
+    if hidden != hidden_states.shape[1] or two_i % 2:
+        raise ValueError(f"w_gate_up must hold experts of shape (2I, H) with H={hidden_states.shape[1]} "
+                         f"(hidden_states {tuple(hidden_states.shape)}) and an even 2I, got {w_gate_up.shape}")
+    if w_down.shape != (hidden, two_i // 2):
+        raise ValueError(f"w_down must hold experts of shape (H, I) = {(hidden, two_i // 2)} to match w_gate_up "
+                         f"{w_gate_up.shape}, got {w_down.shape}")
+    return two_i // 2
+
+
+def _check_quantized_experts(hidden_states, gate_up, down, intermediate, topk_weights, topk_ids, activation,
+                             allow_sentinel=False) -> tuple[QuantizedExperts, QuantizedExperts]:
+    w_gate_up, w_down = _check_quantized_weights(hidden_states, gate_up, down, intermediate)
+    _check_routing_inputs(hidden_states, w_down.num_experts, topk_weights, topk_ids, activation, allow_sentinel)
+    return w_gate_up, w_down
+
+
+def _check_routing_inputs(hidden_states, num_experts, topk_weights, topk_ids, activation, allow_sentinel) -> None:
+    check_tensor("topk_weights", topk_weights, 2, FLOAT_DTYPES)
+    check_tensor("topk_ids", topk_ids, 2, ID_DTYPES)
+    _check_same_device(hidden_states=hidden_states, topk_weights=topk_weights, topk_ids=topk_ids)
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
+                         f"be [T, k] with T={hidden_states.shape[0]}")
+    if topk_ids.shape[1] > num_experts and not allow_sentinel:
+        raise ValueError(f"top_k={topk_ids.shape[1]} exceeds the number of experts ({num_experts})")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _check_shared(hidden_states, shared_gate_up, shared_down) -> None:
+    if (shared_gate_up is None) != (shared_down is None):
+        raise ValueError("shared_gate_up and shared_down must be given together")
+    if shared_gate_up is not None:
+        check_tensor("shared_gate_up", shared_gate_up, 2, (hidden_states.dtype,))
+        check_tensor("shared_down", shared_down, 2, (hidden_states.dtype,))
+        shared_i = shared_down.shape[1]
+        if shared_gate_up.shape != (2 * shared_i, hidden_states.shape[1]) or shared_down.shape[0] != hidden_states.shape[1]:
+            raise ValueError(f"shared_gate_up must be [2I, H] and shared_down [H, I], got "
+                             f"{tuple(shared_gate_up.shape)} and {tuple(shared_down.shape)}")
+        _check_same_device(hidden_states=hidden_states, shared_gate_up=shared_gate_up, shared_down=shared_down)
+
+
+def _check_quantized_moe(hidden_states, router_weight, gate_up, down, intermediate, shared_gate_up,
+                         shared_down) -> tuple[QuantizedExperts, QuantizedExperts]:
+    w_gate_up, w_down = _check_quantized_weights(hidden_states, gate_up, down, intermediate)
+    check_tensor("router_weight", router_weight, 2, (hidden_states.dtype, torch.float32))
+    if router_weight.shape[1] != hidden_states.shape[1]:
+        raise ValueError(f"router_weight must be [E, H] with H={hidden_states.shape[1]}, got "
+                         f"{tuple(router_weight.shape)}")
+    if router_weight.shape[0] != w_gate_up.num_experts:
+        raise ValueError(f"router_weight has {router_weight.shape[0]} experts, w_gate_up {w_gate_up.num_experts}")
+    _check_same_device(hidden_states=hidden_states, router_weight=router_weight)
+    _check_shared(hidden_states, shared_gate_up, shared_down)
+    return w_gate_up, w_down
+
+
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
     """The kernels index the last dimension with stride 1."""
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
@@ -249,4 +344,83 @@ def _(hidden_states, router_weight, w_gate_up, w_down, top_k, scoring, renormali
       topk_groups, scaling_factor, shared_gate_up, shared_down):
     _check_moe(hidden_states, router_weight, w_gate_up, w_down, shared_gate_up, shared_down)
     _check_routing(w_gate_up.shape[0], top_k, scoring, correction_bias, num_groups, topk_groups, scaling_factor)
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+# 4-bit experts: the same ops with each expert weight passed as its QuantizedExperts fields
+# (qweight, scales, zeros, mins, codebook, group_size) and the intermediate size I.
+
+
+@torch.library.custom_op(add_op_namespace_prefix("fused_experts_4bit"), mutates_args=())
+def fused_experts_4bit(hidden_states: torch.Tensor, gu_qweight: torch.Tensor, gu_scales: torch.Tensor,
+                       gu_zeros: Optional[torch.Tensor], gu_mins: Optional[torch.Tensor],
+                       gu_codebook: Optional[torch.Tensor], gu_group_size: int, dn_qweight: torch.Tensor,
+                       dn_scales: torch.Tensor, dn_zeros: Optional[torch.Tensor], dn_mins: Optional[torch.Tensor],
+                       dn_codebook: Optional[torch.Tensor], dn_group_size: int, intermediate: int,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                       allow_sentinel: bool = False) -> torch.Tensor:
+    """`fused_experts` with 4-bit experts (`QuantizedExperts` of shapes (2I, H) and (H, I) per expert)."""
+    w_gate_up, w_down = _check_quantized_experts(
+        hidden_states, (gu_qweight, gu_scales, gu_zeros, gu_mins, gu_codebook, gu_group_size),
+        (dn_qweight, dn_scales, dn_zeros, dn_mins, dn_codebook, dn_group_size), intermediate, topk_weights, topk_ids,
+        activation, allow_sentinel)
+    _check_id_values(topk_ids, w_down.num_experts, allow_sentinel)
+    if use_triton(hidden_states):
+        out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+        return triton_kernels.experts(_rows(hidden_states), w_gate_up, w_down, topk_weights.contiguous(),
+                                      topk_ids.contiguous(), out)
+    return reference.fused_experts_quantized(hidden_states, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+@fused_experts_4bit.register_fake
+def _(hidden_states, gu_qweight, gu_scales, gu_zeros, gu_mins, gu_codebook, gu_group_size, dn_qweight, dn_scales,
+      dn_zeros, dn_mins, dn_codebook, dn_group_size, intermediate, topk_weights, topk_ids, activation,
+      allow_sentinel=False):
+    _check_quantized_experts(hidden_states, (gu_qweight, gu_scales, gu_zeros, gu_mins, gu_codebook, gu_group_size),
+                             (dn_qweight, dn_scales, dn_zeros, dn_mins, dn_codebook, dn_group_size), intermediate,
+                             topk_weights, topk_ids, activation, allow_sentinel)
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("moe_forward_4bit"), mutates_args=())
+def moe_forward_4bit(hidden_states: torch.Tensor, router_weight: torch.Tensor, gu_qweight: torch.Tensor,
+                     gu_scales: torch.Tensor, gu_zeros: Optional[torch.Tensor], gu_mins: Optional[torch.Tensor],
+                     gu_codebook: Optional[torch.Tensor], gu_group_size: int, dn_qweight: torch.Tensor,
+                     dn_scales: torch.Tensor, dn_zeros: Optional[torch.Tensor], dn_mins: Optional[torch.Tensor],
+                     dn_codebook: Optional[torch.Tensor], dn_group_size: int, intermediate: int, top_k: int,
+                     scoring: str, renormalize: bool, correction_bias: Optional[torch.Tensor],
+                     num_groups: Optional[int], topk_groups: Optional[int], scaling_factor: float,
+                     shared_gate_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor]) -> torch.Tensor:
+    """`moe_forward` with 4-bit routed experts; a shared expert stays a dense [2I', H], [H, I'] pair and is
+    added after the routed experts (it does not ride along in the 4-bit kernels)."""
+    w_gate_up, w_down = _check_quantized_moe(
+        hidden_states, router_weight, (gu_qweight, gu_scales, gu_zeros, gu_mins, gu_codebook, gu_group_size),
+        (dn_qweight, dn_scales, dn_zeros, dn_mins, dn_codebook, dn_group_size), intermediate, shared_gate_up,
+        shared_down)
+    _check_routing(w_gate_up.num_experts, top_k, scoring, correction_bias, num_groups, topk_groups, scaling_factor)
+    routing = (top_k, scoring == "sigmoid", renormalize, _rows(correction_bias), num_groups or 1, topk_groups or 1,
+               scaling_factor)
+    if use_triton(hidden_states):
+        out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+        triton_kernels.moe_forward(_rows(hidden_states), _rows(router_weight), w_gate_up, w_down, *routing, None,
+                                   None, out)
+        if shared_down is not None:
+            out += reference.dense_expert(hidden_states, shared_gate_up, shared_down)
+        return out
+    weights, ids = reference.route(reference.router_logits(hidden_states, router_weight), *routing)
+    out = reference.fused_experts_quantized(hidden_states, w_gate_up, w_down, weights, ids)
+    if shared_down is not None:
+        out = out + reference.dense_expert(hidden_states, shared_gate_up, shared_down)
+    return out
+
+
+@moe_forward_4bit.register_fake
+def _(hidden_states, router_weight, gu_qweight, gu_scales, gu_zeros, gu_mins, gu_codebook, gu_group_size, dn_qweight,
+      dn_scales, dn_zeros, dn_mins, dn_codebook, dn_group_size, intermediate, top_k, scoring, renormalize,
+      correction_bias, num_groups, topk_groups, scaling_factor, shared_gate_up, shared_down):
+    w_gate_up, _ = _check_quantized_moe(
+        hidden_states, router_weight, (gu_qweight, gu_scales, gu_zeros, gu_mins, gu_codebook, gu_group_size),
+        (dn_qweight, dn_scales, dn_zeros, dn_mins, dn_codebook, dn_group_size), intermediate, shared_gate_up,
+        shared_down)
+    _check_routing(w_gate_up.num_experts, top_k, scoring, correction_bias, num_groups, topk_groups, scaling_factor)
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)

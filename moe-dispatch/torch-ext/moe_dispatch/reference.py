@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .quantized import QuantizedExperts, dequantize_fp32
+
 
 def router_logits(hidden_states: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
     """Logits in the router weight's dtype, as `F.linear` gives them in the models."""
@@ -52,7 +54,26 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    num_experts, intermediate = w_down.shape[0], w_down.shape[2]
+    return _experts_loop(hidden_states, lambda e: w_gate_up[e].float(), lambda e: w_down[e].float(),
+                         w_down.shape[0], w_down.shape[2], topk_weights, topk_ids)
+
+
+def fused_experts_quantized(hidden_states: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExperts,
+                            topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """4-bit experts: each picked expert dequantized in fp32 and rounded once to the activation dtype, as the
+    kernels round the dequantized operand tiles; the rest as `fused_experts`."""
+    dtype = hidden_states.dtype
+
+    def weight(qe: QuantizedExperts):
+        return lambda e: dequantize_fp32(qe, slice(e, e + 1))[0].to(dtype).float()
+
+    return _experts_loop(hidden_states, weight(w_gate_up), weight(w_down), w_down.num_experts, w_down.shape[1],
+                         topk_weights, topk_ids)
+
+
+def _experts_loop(hidden_states, gate_up_of, down_of, num_experts: int, intermediate: int, topk_weights,
+                  topk_ids) -> torch.Tensor:
+    """The per-expert loop over fp32 weights `gate_up_of(e)` [2I, H] and `down_of(e)` [H, I]."""
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     flat_ids = topk_ids.reshape(-1)
     for expert in range(num_experts):
@@ -60,9 +81,9 @@ def fused_experts(
         if pairs.numel() == 0:
             continue
         tokens = pairs // topk_ids.shape[1]
-        gate_up = hidden_states[tokens].float() @ w_gate_up[expert].float().T
+        gate_up = hidden_states[tokens].float() @ gate_up_of(expert).T
         act = (F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]).to(hidden_states.dtype)
-        down = act.float() @ w_down[expert].float().T
+        down = act.float() @ down_of(expert).T
         weighted = (down * topk_weights.reshape(-1)[pairs, None].float()).to(hidden_states.dtype)
         out.index_add_(0, tokens, weighted.float())
     return out.to(hidden_states.dtype)

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .quantized import QuantizedExperts
+
 DECODE_MAX_TOKENS = 16  # up to this many tokens one 16-row tile holds them all: the decode kernels run
 CHUNK_TOKENS = 64  # tokens per routing chunk; the sort places one chunk per program
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -278,6 +280,124 @@ def _matmul_tile(a_ptrs, a_ok, b_ptrs, n_ok, K, PRECISION: tl.constexpr, UPCAST:
     return acc
 
 
+# 4-bit experts (quantized.py's layout): one packed K-tile of 128 columns per step, dequantized in registers into
+# a [BLOCK_N, 128] operand of the activation dtype, then one K=128 tl.dot; the same loop structure as the dense
+# tiles above. The format is a set of constexprs (NF4, HAS_ZERO, HAS_MIN, GROUP), so each format compiles to
+# its own straight-line dequantization and the dense kernels are unchanged (QUANT=False).
+_MAGIC_BITS = tl.constexpr(0x4B000000)  # 2**23 as fp32 bits: (code | bits) read as fp32 is 2**23 + code
+_MAGIC = tl.constexpr(8388608.0)
+_TILE = tl.constexpr(128)  # K-columns per packed tile
+_WORDS = tl.constexpr(16)  # int32 words per packed tile and row
+
+
+@triton.jit
+def _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, J: tl.constexpr, NF4: tl.constexpr,
+           HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr):
+    """Nibble plane J of a [BLOCK_N, 16] word tile (K-columns 128 tile + 16 J + c) dequantized in fp32:
+    ``(code - zero) * scale`` (zero 8 when symmetric), ``code * scale + min`` or ``codebook[code] * scale``."""
+    code = (w >> (4 * J)) & 0xF
+    if GROUP == -1:  # per channel: one group
+        offs = rows
+    else:
+        # GROUP is a compile-time constant (32, 64 or a multiple of 128): the planes of one group share loads
+        if GROUP < 128:
+            group = tile * (128 // GROUP) + (J * 16) // GROUP
+        else:
+            group = tile // (GROUP // 128)
+        offs = tl.cast(group, tl.int64) * stride_sg + rows
+    if NF4:
+        v = tl.load(cb_ptr + code)
+    else:
+        v = (code | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC
+        if HAS_ZERO:
+            v = v - tl.load(z_base + offs, mask=n_ok, other=0).to(tl.float32)[:, None]
+        elif not HAS_MIN:
+            v = v - 8.0
+    scale = tl.load(s_base + offs, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    if HAS_MIN:
+        return v * scale + tl.load(m_base + offs, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    return v * scale
+
+
+@triton.jit
+def _natural_order(p0, p1, p2, p3, p4, p5, p6, p7):
+    """8 planes [R, 16] (plane j: tile columns 16 j + c) as one [R, 128] tile in column order."""
+    # [R, 16, 2, 2, 2] with plane index 4 t2 + 2 t1 + t0 -> [R, t2, t1, t0, c] -> column 16 j + c
+    planes = tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+    return tl.reshape(tl.permute(planes, (0, 4, 3, 2, 1)), (planes.shape[0], 128))
+
+
+@triton.jit
+def _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, rows, n_ok, tile, stride_qn, stride_sg,
+                  NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+                  DTYPE: tl.constexpr):
+    """Rows `rows` (int64; rows outside n_ok read as zero) of one expert's K-tile `tile` as a [BLOCK_N, 128]
+    tile of DTYPE in K order: 16 words per row (four 128-bit loads), streamed once (evicted first)."""
+    col = tl.arange(0, _WORDS)
+    w = tl.load(q_base + rows[:, None] * stride_qn + tile * _WORDS + col[None, :], mask=n_ok[:, None], other=0,
+                eviction_policy="evict_first")
+    return _natural_order(
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 0, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 1, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 2, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 3, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 4, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 5, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 6, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 7, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE))
+
+
+@triton.jit
+def _swiglu_tile_q(a_ptrs, a_ok, q_base, s_base, z_base, m_base, cb_ptr, g_rows, u_rows, n_ok, K, stride_qn,
+                   stride_sg, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr,
+                   HAS_MIN: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """`_swiglu_tile` on 4-bit weights: `a_ptrs` [BLOCK_M, 128] at K-column 0, gate / up rows `g_rows` / `u_rows`."""
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    offs_k = tl.arange(0, _TILE)
+    for tile in range(0, tl.cdiv(K, _TILE)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
+        else:  # columns past K: x reads zero (the padded codes there need not dequantize to zero)
+            a = tl.load(a_ptrs, mask=a_ok[:, None] & (offs_k + tile * _TILE < K)[None, :], other=0.0)
+        g = _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, g_rows, n_ok, tile, stride_qn, stride_sg, NF4,
+                          HAS_ZERO, HAS_MIN, GROUP, DTYPE)
+        acc_g = _dot(a, tl.trans(g), acc_g, PRECISION, UPCAST)
+        u = _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, u_rows, n_ok, tile, stride_qn, stride_sg, NF4,
+                          HAS_ZERO, HAS_MIN, GROUP, DTYPE)
+        acc_u = _dot(a, tl.trans(u), acc_u, PRECISION, UPCAST)
+        a_ptrs += _TILE
+    return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+
+
+@triton.jit
+def _matmul_tile_q(a_ptrs, a_ok, q_base, s_base, z_base, m_base, cb_ptr, rows, n_ok, K, stride_qn, stride_sg,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   EVEN_K: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+                   GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """`_matmul_tile` on 4-bit weights."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    offs_k = tl.arange(0, _TILE)
+    for tile in range(0, tl.cdiv(K, _TILE)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=a_ok[:, None] & (offs_k + tile * _TILE < K)[None, :], other=0.0)
+        b = _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, rows, n_ok, tile, stride_qn, stride_sg, NF4,
+                          HAS_ZERO, HAS_MIN, GROUP, DTYPE)
+        acc = _dot(a, tl.trans(b), acc, PRECISION, UPCAST)
+        a_ptrs += _TILE
+    return acc
+
+
+@triton.jit
+def _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, e, stride_we, stride_se):
+    """Expert e's packed words and group parameters (zeros and minima share the scales' layout)."""
+    e64 = e.to(tl.int64)
+    return w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, z_ptr + e64 * stride_se, m_ptr + e64 * stride_se
+
+
 @triton.jit
 def _grouped_tile(pid, num_m_blocks, N, block_expert_ptr, sorted_ids_ptr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -300,53 +420,70 @@ def _grouped_tile(pid, num_m_blocks, N, block_expert_ptr, sorted_ids_ptr,
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _gate_up_grouped_kernel(
-    x_ptr, w_ptr, shared_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr,
+    x_ptr, w_ptr, shared_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr,
     num_pairs, H, I, num_m_blocks, num_routed,
-    stride_xt, stride_we, stride_wn, stride_sn, stride_it,
+    stride_xt, stride_we, stride_wn, stride_sn, stride_se, stride_sg, stride_it,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
+    """QUANT: 4-bit experts (BLOCK_K is then the packed tile, 128; w_ptr the packed words, s/z/m/cb_ptr their
+    scales, zero points, minima and codebook; no shared expert)."""
     pid_n, expert, rows, pairs = _grouped_tile(tl.program_id(0), num_m_blocks, I, block_expert_ptr,
                                                sorted_ids_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
         return
     row_ok = pairs < num_pairs
     tokens = (pairs // TOP_K).to(tl.int64)
-    w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed, stride_we, stride_wn, stride_sn,
-                                       HAS_SHARED)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None]
-    act = _swiglu_tile(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :], row_ok,
-                       g_ptrs, g_ptrs + I * stride_n, n_ok, H, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    if QUANT:
+        q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, expert, stride_we, stride_se)
+        g_rows = offs_n.to(tl.int64)
+        act = _swiglu_tile_q(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :], row_ok, q_base, s_base, z_base,
+                             m_base, cb_ptr, g_rows, g_rows + I, n_ok, H, stride_wn, stride_sg, PRECISION, UPCAST,
+                             BLOCK_M, BLOCK_N, EVEN_K, NF4, HAS_ZERO, HAS_MIN, GROUP, x_ptr.dtype.element_ty)
+    else:
+        w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed, stride_we, stride_wn, stride_sn,
+                                           HAS_SHARED)
+        g_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None]
+        act = _swiglu_tile(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :], row_ok,
+                           g_ptrs, g_ptrs + I * stride_n, n_ok, H, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     tl.store(inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_n[None, :],
              act.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _down_grouped_kernel(
-    inter_ptr, w_ptr, shared_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
+    inter_ptr, w_ptr, shared_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
     num_pairs, H, I, num_m_blocks, num_routed,
-    stride_it, stride_we, stride_wn, stride_sn, stride_ot,
+    stride_it, stride_we, stride_wn, stride_sn, stride_se, stride_sg, stride_ot,
     HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     pid_n, expert, rows, pairs = _grouped_tile(tl.program_id(0), num_m_blocks, H, block_expert_ptr,
                                                sorted_ids_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
         return
     row_ok = pairs < num_pairs
-    w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed, stride_we, stride_wn, stride_sn,
-                                       HAS_SHARED)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    acc = _matmul_tile(inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_k[None, :], row_ok,
-                       w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None], n_ok, I,
-                       PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_k[None, :]
+    if QUANT:
+        q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, expert, stride_we, stride_se)
+        acc = _matmul_tile_q(a_ptrs, row_ok, q_base, s_base, z_base, m_base, cb_ptr, offs_n.to(tl.int64), n_ok, I,
+                             stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_M, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
+                             HAS_MIN, GROUP, inter_ptr.dtype.element_ty)
+    else:
+        w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed, stride_we, stride_wn, stride_sn,
+                                           HAS_SHARED)
+        acc = _matmul_tile(a_ptrs, row_ok, w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None], n_ok, I,
+                           PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     weight = tl.load(topk_w_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
              (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -393,24 +530,34 @@ def _first_pick(ids_ptr, s, num_pairs, num_experts, BLOCK_P: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _gate_up_decode_kernel(
-    x_ptr, w_ptr, shared_ptr, inter_ptr, ids_ptr,
+    x_ptr, w_ptr, shared_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, inter_ptr, ids_ptr,
     T, H, I, num_routed, num_experts,
-    stride_xt, stride_we, stride_wn, stride_sn, stride_it,
+    stride_xt, stride_we, stride_wn, stride_sn, stride_se, stride_sg, stride_it,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, K_POW2: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
 ):
+    """QUANT: 4-bit experts, streamed once per selected expert and dequantized in registers (see the grouped kernel)."""
     e, first = _first_pick(ids_ptr, tl.program_id(0), T * TOP_K, num_experts, BLOCK_P)
     if first:
         t, match, hit, slot = _decode_rows(ids_ptr, e, T, TOP_K, BLOCK_T, K_POW2)
-        w_base, stride_n = _expert_weights(w_ptr, shared_ptr, e, num_routed, stride_we, stride_wn, stride_sn,
-                                           HAS_SHARED)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
         offs_k = tl.arange(0, BLOCK_K)
-        g_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None]
-        act = _swiglu_tile(x_ptr + t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :], t < T,
-                           g_ptrs, g_ptrs + I * stride_n, n_ok, H, PRECISION, UPCAST, BLOCK_T, BLOCK_N, BLOCK_K, EVEN_K)
+        a_ptrs = x_ptr + t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+        if QUANT:
+            q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, e, stride_we, stride_se)
+            g_rows = offs_n.to(tl.int64)
+            act = _swiglu_tile_q(a_ptrs, t < T, q_base, s_base, z_base, m_base, cb_ptr, g_rows, g_rows + I, n_ok, H,
+                                 stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_T, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
+                                 HAS_MIN, GROUP, x_ptr.dtype.element_ty)
+        else:
+            w_base, stride_n = _expert_weights(w_ptr, shared_ptr, e, num_routed, stride_we, stride_wn, stride_sn,
+                                               HAS_SHARED)
+            g_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None]
+            act = _swiglu_tile(a_ptrs, t < T, g_ptrs, g_ptrs + I * stride_n, n_ok, H, PRECISION, UPCAST, BLOCK_T,
+                               BLOCK_N, BLOCK_K, EVEN_K)
         rows = (t * TOP_K + slot).to(tl.int64)
         tl.store(inter_ptr + rows[:, None] * stride_it + offs_n[None, :],
                  act.to(inter_ptr.dtype.element_ty), mask=hit[:, None] & n_ok[None, :])
@@ -418,26 +565,33 @@ def _gate_up_decode_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _down_decode_kernel(
-    inter_ptr, w_ptr, shared_ptr, pair_out_ptr, ids_ptr, topk_w_ptr,
+    inter_ptr, w_ptr, shared_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, pair_out_ptr, ids_ptr, topk_w_ptr,
     T, H, I, num_routed, num_experts,
-    stride_it, stride_we, stride_wn, stride_sn, stride_pt,
+    stride_it, stride_we, stride_wn, stride_sn, stride_se, stride_sg, stride_pt,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, K_POW2: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
 ):
     """Down projection of one selected expert for one column block, written weighted to each slot that picked it."""
     e, first = _first_pick(ids_ptr, tl.program_id(0), T * TOP_K, num_experts, BLOCK_P)
     if first:
         t, match, hit, slot = _decode_rows(ids_ptr, e, T, TOP_K, BLOCK_T, K_POW2)
-        w_base, stride_n = _expert_weights(w_ptr, shared_ptr, e, num_routed, stride_we, stride_wn, stride_sn,
-                                           HAS_SHARED)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < H
         offs_k = tl.arange(0, BLOCK_K)
         rows = (t * TOP_K + slot).to(tl.int64)
-        acc = _matmul_tile(inter_ptr + rows[:, None] * stride_it + offs_k[None, :], hit,
-                           w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None], n_ok, I,
-                           PRECISION, UPCAST, BLOCK_T, BLOCK_N, BLOCK_K, EVEN_K)
+        a_ptrs = inter_ptr + rows[:, None] * stride_it + offs_k[None, :]
+        if QUANT:
+            q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, e, stride_we, stride_se)
+            acc = _matmul_tile_q(a_ptrs, hit, q_base, s_base, z_base, m_base, cb_ptr, offs_n.to(tl.int64), n_ok, I,
+                                 stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_T, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
+                                 HAS_MIN, GROUP, inter_ptr.dtype.element_ty)
+        else:
+            w_base, stride_n = _expert_weights(w_ptr, shared_ptr, e, num_routed, stride_we, stride_wn, stride_sn,
+                                               HAS_SHARED)
+            acc = _matmul_tile(a_ptrs, hit, w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None], n_ok, I,
+                               PRECISION, UPCAST, BLOCK_T, BLOCK_N, BLOCK_K, EVEN_K)
         kcols = tl.arange(0, K_POW2)
         topk_w = tl.load(topk_w_ptr + t[:, None] * TOP_K + kcols[None, :], mask=match, other=0.0).to(tl.float32)
         for j in tl.static_range(TOP_K):  # a token that names e in several slots: each slot its own weight
@@ -500,8 +654,11 @@ def _pow2_at_most(n: int, cap: int) -> int:
 
 
 def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int,
-                   device: torch.device) -> dict:
-    """Heuristic block sizes when no tuned config exists for the shape."""
+                   device: torch.device, quantized: bool = False) -> dict:
+    """Heuristic block sizes when no tuned config exists for the shape (`quantized`: 4-bit experts, whose
+    BLOCK_K is the packed tile; `_for_weights`)."""
+    if quantized:
+        return _for_weights(default_config(tokens, num_experts, hidden, intermediate, top_k, device), True)
     sms = _sm_count(device)
     if tokens <= DECODE_MAX_TOKENS:
         active = min(num_experts, tokens * top_k)
@@ -543,6 +700,13 @@ def get_config(tokens: int, num_experts: int, hidden: int, intermediate: int, to
     if name:
         _note_heuristic(name, num_experts, hidden, intermediate, dtype, decode)
     return default_config(tokens, num_experts, hidden, intermediate, top_k, device)
+
+
+def _for_weights(config: dict, quantized: bool) -> dict:
+    """4-bit experts step through K one packed tile (128 columns) at a time, and dequantize a [BLOCK_N, 128] tile
+    in registers: BLOCK_K is 128 and BLOCK_N at most 128."""
+    return {key: {**value, "BLOCK_K": 128, "BLOCK_N": min(128, value["BLOCK_N"])} if isinstance(value, dict)
+            else value for key, value in config.items()}
 
 
 def _for_dtype(config: dict, dtype: torch.dtype) -> dict:
@@ -615,7 +779,26 @@ def route(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool, co
     return weights, ids
 
 
-def experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+def _words(w) -> torch.Tensor:
+    """The tensor a kernel's w_ptr points at: a dense weight, or a QuantizedExperts' packed words."""
+    return w.qweight if isinstance(w, QuantizedExperts) else w
+
+
+def _weight_args(w) -> tuple[tuple, tuple, dict]:
+    """(s, z, m, cb pointers), (stride_we, stride_wn, stride_se, stride_sg) and the format constexprs of an
+    expert weight; dense weights pass themselves for the unused pointers (QUANT=False prunes every use)."""
+    if not isinstance(w, QuantizedExperts):
+        return (w, w, w, w), (w.stride(0), w.stride(1), 0, 0), dict(QUANT=False, NF4=False, HAS_ZERO=False,
+                                                                   HAS_MIN=False, GROUP=128)
+    s = w.scales
+    ptrs = (s, w.zeros if w.zeros is not None else s, w.mins if w.mins is not None else s,
+            w.codebook if w.codebook is not None else s)
+    return ptrs, (w.qweight.stride(0), w.qweight.stride(1), s.stride(0), s.stride(1)), dict(
+        QUANT=True, NF4=w.codebook is not None, HAS_ZERO=w.zeros is not None, HAS_MIN=w.mins is not None,
+        GROUP=w.group_size)
+
+
+def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
             topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, *,
             shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
             hist: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
@@ -627,19 +810,26 @@ def experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
     topk_weights and topk_ids contiguous.
     """
     T, H = hidden_states.shape
-    num_routed, _, intermediate = w_down.shape
+    quant = isinstance(w_down, QuantizedExperts)
+    num_routed, intermediate = (w_down.num_experts, w_down.shape[1]) if quant else (w_down.shape[0], w_down.shape[2])
     top_k = topk_ids.shape[1]
     has_shared = shared_gate_up is not None
+    if quant and has_shared:
+        raise ValueError("shared_gate_up: a shared expert does not ride along with 4-bit experts; add it separately")
     num_experts = num_routed + int(has_shared)
     if T == 0:
         return out
-    config = _for_dtype(config or get_config(T, num_routed, H, intermediate, top_k, hidden_states.dtype,
-                                             hidden_states.device), hidden_states.dtype)
+    if config is None:  # the tuned tables were measured with 16-bit weights: 4-bit experts take the heuristic
+        config = (default_config(T, num_routed, H, intermediate, top_k, hidden_states.device, quantized=True) if quant
+                  else get_config(T, num_routed, H, intermediate, top_k, hidden_states.dtype, hidden_states.device))
+    config = _for_weights(config, quant) if quant else _for_dtype(config, hidden_states.dtype)
     up, down = config["gate_up"], config["down"]
     common = dict(HAS_SHARED=has_shared, PRECISION=_precision(hidden_states.dtype),
                   UPCAST=_upcast_dots(hidden_states.dtype))
-    shared_gu = shared_gate_up if has_shared else w_gate_up
-    shared_dn = shared_down if has_shared else w_down
+    shared_gu = shared_gate_up if has_shared else _words(w_gate_up)
+    shared_dn = shared_down if has_shared else _words(w_down)
+    gu_ptrs, gu_strides, gu_format = _weight_args(w_gate_up)
+    dn_ptrs, dn_strides, dn_format = _weight_args(w_down)
     num_pairs = T * top_k
     device = hidden_states.device
     pair_out = torch.empty(num_pairs, H, dtype=hidden_states.dtype, device=device)
@@ -649,19 +839,18 @@ def experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
                           K_POW2=triton.next_power_of_2(top_k))
             inter = torch.empty(num_pairs, intermediate, dtype=hidden_states.dtype, device=device)
             _gate_up_decode_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
-                hidden_states, w_gate_up, shared_gu, inter, topk_ids,
+                hidden_states, _words(w_gate_up), shared_gu, *gu_ptrs, inter, topk_ids,
                 T, H, intermediate, num_routed, num_experts,
-                hidden_states.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), shared_gu.stride(-2),
-                inter.stride(0),
+                hidden_states.stride(0), *gu_strides[:2], shared_gu.stride(-2), *gu_strides[2:], inter.stride(0),
                 BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=H % up["BLOCK_K"] == 0,
-                num_warps=up["num_warps"], num_stages=up["num_stages"], **common,
+                num_warps=up["num_warps"], num_stages=up["num_stages"], **common, **gu_format,
             )
             _down_decode_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]))](
-                inter, w_down, shared_dn, pair_out, topk_ids, topk_weights,
+                inter, _words(w_down), shared_dn, *dn_ptrs, pair_out, topk_ids, topk_weights,
                 T, H, intermediate, num_routed, num_experts,
-                inter.stride(0), w_down.stride(0), w_down.stride(1), shared_dn.stride(-2), pair_out.stride(0),
+                inter.stride(0), *dn_strides[:2], shared_dn.stride(-2), *dn_strides[2:], pair_out.stride(0),
                 BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], EVEN_K=intermediate % down["BLOCK_K"] == 0,
-                num_warps=down["num_warps"], num_stages=down["num_stages"], **common,
+                num_warps=down["num_warps"], num_stages=down["num_stages"], **common, **dn_format,
             )
         else:
             block_m = config["BLOCK_M"]
@@ -682,20 +871,20 @@ def experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
             )
             inter = torch.empty(max_blocks * block_m, intermediate, dtype=hidden_states.dtype, device=device)
             _gate_up_grouped_kernel[(max_blocks * triton.cdiv(intermediate, up["BLOCK_N"]),)](
-                hidden_states, w_gate_up, shared_gu, inter, sorted_ids, block_expert,
+                hidden_states, _words(w_gate_up), shared_gu, *gu_ptrs, inter, sorted_ids, block_expert,
                 num_pairs, H, intermediate, max_blocks, num_routed,
-                hidden_states.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), shared_gu.stride(-2),
-                inter.stride(0), TOP_K=top_k,
-                BLOCK_M=block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], GROUP_M=up["GROUP_M"],
+                hidden_states.stride(0), *gu_strides[:2], shared_gu.stride(-2), *gu_strides[2:], inter.stride(0),
+                TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], GROUP_M=up["GROUP_M"],
                 EVEN_K=H % up["BLOCK_K"] == 0, num_warps=up["num_warps"], num_stages=up["num_stages"], **common,
+                **gu_format,
             )
             _down_grouped_kernel[(max_blocks * triton.cdiv(H, down["BLOCK_N"]),)](
-                inter, w_down, shared_dn, pair_out, sorted_ids, block_expert, topk_weights,
+                inter, _words(w_down), shared_dn, *dn_ptrs, pair_out, sorted_ids, block_expert, topk_weights,
                 num_pairs, H, intermediate, max_blocks, num_routed,
-                inter.stride(0), w_down.stride(0), w_down.stride(1), shared_dn.stride(-2), pair_out.stride(0),
+                inter.stride(0), *dn_strides[:2], shared_dn.stride(-2), *dn_strides[2:], pair_out.stride(0),
                 BLOCK_M=block_m, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], GROUP_M=down["GROUP_M"],
                 EVEN_K=intermediate % down["BLOCK_K"] == 0, num_warps=down["num_warps"],
-                num_stages=down["num_stages"], **common,
+                num_stages=down["num_stages"], **common, **dn_format,
             )
         block_h = min(1024, triton.next_power_of_2(H))
         _combine_kernel[(T, triton.cdiv(H, block_h))](

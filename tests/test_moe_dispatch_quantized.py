@@ -1,0 +1,427 @@
+"""moe-dispatch with 4-bit experts on CPU: the format against w4a16's, the Triton kernels through the interpreter
+and the PyTorch path against float64 references, small shapes.
+
+The references take the dequantized weights exactly (fp32 values of ``(q - zero) * scale`` etc., which are exact
+products for int4 and within 2^-24 for NF4) in float64, so quantization error is not measured, only the kernels'
+arithmetic. On top of the dense kernels' roundings (tests/test_moe_dispatch.py: SiLU*up, weighted expert
+output, final sum) the 4-bit paths round each dequantized weight once to the activation dtype (the tl.dot
+operand): one more rounding of 2^-8 (bf16, 2^-7 where the interpreter truncates) or 2^-11 (fp16), random in
+sign across the K terms of each dot, so it adds well under one rounding to the relative error of a result.
+Tolerances (relative to the reference's norm; max error 4x that against the max): bf16 2.5e-2 as for the
+dense kernels (three truncations of 2^-7 relative are ~2.4e-2 only when all line up; measured ~4e-3),
+fp16 5e-3 (five roundings of 2^-11 = 2.4e-3, doubled), fp32 1e-5 (fp32 roundings and the tf32x3 dots).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
+
+# (name, fmt, zero_point, group_size, H, I): H and I are each some matrix's K, so they are multiples of the
+# group size; none is a multiple of 128 unless the group needs it, so K padding (masked x) and N padding
+# (rows past N, 2I) are both exercised.
+FORMATS = [
+    ("int4-sym-g32", "int4", False, 32, 160, 32),
+    ("int4-zp-g64", "int4", True, 64, 64, 64),
+    ("int4-zp-g128", "int4", True, 128, 128, 128),
+    ("int4-sym-g256", "int4", False, 256, 256, 256),
+    ("nf4-g64", "nf4", False, 64, 192, 64),
+    ("int4-min-g32", "int4", "float", 32, 96, 32),
+    ("int4-zp-channel", "int4", True, -1, 100, 40),
+]
+FORMAT_IDS = [f[0] for f in FORMATS]
+
+
+# The reference helpers of test_moe_dispatch.py (copied: float64, independent of the kernels).
+
+
+def make_experts(E, H, I, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w_gate_up = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
+    w_down = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+    return w_gate_up, w_down
+
+
+def experts_float64(x, w_gate_up, w_down, topk_weights, topk_ids):
+    """sum over slots of weight * down(silu(gate(x)) * up(x)), one (token, slot) pair at a time."""
+    intermediate = w_down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            gate_up = w_gate_up[e].double() @ x[t].double()
+            act = F.silu(gate_up[:intermediate]) * gate_up[intermediate:]
+            out[t] += float(topk_weights[t, j]) * (w_down[e].double() @ act)
+    return out
+
+
+def route_float64(logits, top_k, scoring="softmax", renormalize=True, bias=None, num_groups=None, topk_groups=None,
+                  scaling=1.0):
+    """Per token: scores, (group filter), top-k by score + bias, weights from the plain scores."""
+    weights, ids = [], []
+    for row in logits.double():
+        scores = row.sigmoid() if scoring == "sigmoid" else row.softmax(0)
+        choice = scores + (bias.double() if bias is not None else 0.0)
+        allowed = list(range(len(row)))
+        if num_groups:
+            size = len(row) // num_groups
+            group_score = [sum(sorted(choice[g * size:(g + 1) * size].tolist())[-2:]) for g in range(num_groups)]
+            kept = sorted(range(num_groups), key=lambda g: -group_score[g])[:topk_groups]
+            allowed = [e for e in allowed if e // size in kept]
+        chosen = sorted(allowed, key=lambda e: -float(choice[e]))[:top_k]
+        w = scores[chosen]
+        if renormalize:
+            w = w / (w.sum() + (1e-20 if scoring == "sigmoid" else 0.0))
+        weights.append(w * scaling)
+        ids.append(chosen)
+    return torch.stack(weights), torch.tensor(ids)
+
+
+def routing(kind, T, E, k, seed=0):
+    """balanced: random top-k; skewed: every token on experts 1..k (the rest empty); empty: only even experts."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "balanced":
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    elif kind == "skewed":
+        ids = torch.arange(1, k + 1).repeat(T, 1)
+    else:
+        ids = torch.stack([torch.randperm(E // 2, generator=g)[:k] * 2 for _ in range(T)])
+    weights = torch.rand(T, k, generator=g) + 0.1
+    return weights / weights.sum(1, keepdim=True), ids.to(torch.int32)
+
+
+@pytest.fixture(scope="module")
+def k(load_kernel):
+    return load_kernel("moe-dispatch")
+
+
+@pytest.fixture(scope="module")
+def w4a16(load_kernel):
+    return load_kernel("w4a16")
+
+
+def quantized_experts(k, E, H, I, fmt, zero_point, group_size, dtype, seed=0):
+    w_gate_up, w_down = make_experts(E, H, I, dtype, seed)
+    return k.quantize_experts(w_gate_up, w_down, group_size=group_size, fmt=fmt, zero_point=zero_point)
+
+
+def dequantized64(k, qe):
+    return k.dequantize(qe, torch.float32).double()
+
+
+def assert_close(out, ref, dtype):
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or poisoned elements)"
+    diff = out.double() - ref
+    tol = TOL[dtype]
+    assert diff.norm() <= tol * ref.norm(), f"relative error {(diff.norm() / ref.norm()).item():.2e} > {tol}"
+    assert diff.abs().max() <= 4 * tol * ref.abs().max()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The format: the same bits as w4a16
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,fmt,zero_point,group_size,H,I", FORMATS, ids=FORMAT_IDS)
+def test_format_matches_w4a16(k, w4a16, monkeypatch, name, fmt, zero_point, group_size, H, I):
+    """Each expert quantized by w4a16.quantize gives the same packed words, scales, zero points, minima,
+    codebook and dequantized values as moe-dispatch's stacked copy of the format (w4a16.dequantize on its
+    PyTorch path)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    E = 3
+    w_gate_up, w_down = make_experts(E, H, I, torch.bfloat16, seed=3)
+    q_gate_up, q_down = k.quantize_experts(w_gate_up, w_down, group_size=group_size, fmt=fmt, zero_point=zero_point)
+    for dense, qe in ((w_gate_up, q_gate_up), (w_down, q_down)):
+        assert qe.shape == tuple(dense.shape[1:]) and qe.num_experts == E and qe.fmt == fmt
+        ours = k.dequantize(qe, torch.float32)
+        for e in range(E):
+            ref = w4a16.quantize(dense[e], group_size=group_size, fmt=fmt, zero_point=zero_point)
+            assert torch.equal(qe.qweight[e], ref.qweight)
+            assert torch.equal(qe.scales[e], ref.scales)
+            for field in ("zeros", "mins"):
+                mine, theirs = getattr(qe, field), getattr(ref, field)
+                assert (mine is None) == (theirs is None), field
+                if theirs is not None:
+                    assert torch.equal(mine[e], theirs), field
+            assert (qe.codebook is None) == (ref.codebook is None)
+            if ref.codebook is not None:
+                assert torch.equal(qe.codebook, ref.codebook)
+            assert torch.equal(ours[e], w4a16.dequantize(ref, torch.float32))
+        assert torch.equal(k.dequantize(qe), ours.to(torch.bfloat16))
+
+
+def test_pack_unpack_roundtrip(k):
+    q = k.quantized
+    codes = torch.randint(0, 16, (2, 70, 200), dtype=torch.uint8)
+    packed = q.pack(codes)
+    assert packed.shape == (2, 128, 256 // 8) and packed.dtype == torch.int32
+    assert torch.equal(q.unpack(packed, (70, 200)), codes)
+
+
+def test_nbytes_and_shard(k):
+    q_gate_up, q_down = quantized_experts(k, 4, 160, 96, "int4", True, 32, torch.bfloat16)
+    # per expert: Np * Kp / 2 bytes of codes + G * Np scales (2 bytes) + G * Np zero points (1 byte)
+    assert q_gate_up.expert_nbytes() == 256 * 256 // 2 + 8 * 256 * 3
+    assert q_down.nbytes() == 4 * (256 * 128 // 2 + 4 * 256 * 3)
+    shard = q_gate_up.experts(slice(2, 4))
+    assert shard.num_experts == 2 and torch.equal(shard.qweight, q_gate_up.qweight[2:])
+
+
+# ----------------------------------------------------------------------------------------------------
+# fused_experts with 4-bit experts
+# ----------------------------------------------------------------------------------------------------
+
+
+def quantized_reference(k, x, q_gate_up, q_down, weights, ids):
+    return experts_float64(x, dequantized64(k, q_gate_up), dequantized64(k, q_down), weights, ids)
+
+
+# T <= 16: the decode kernels; larger T: sort + grouped kernels (both with the dequantization in the K loop)
+CASES = [
+    # (format, T, E, top_k, routing kind, dtype)
+    ("int4-sym-g32", 1, 4, 2, "balanced", torch.bfloat16),
+    ("int4-sym-g32", 20, 4, 2, "skewed", torch.bfloat16),
+    ("int4-zp-g64", 5, 6, 3, "empty", torch.float16),
+    ("int4-zp-g128", 3, 4, 2, "skewed", torch.float32),
+    ("int4-zp-g128", 18, 4, 2, "empty", torch.bfloat16),
+    ("int4-sym-g256", 1, 3, 2, "balanced", torch.bfloat16),
+    ("nf4-g64", 4, 4, 2, "balanced", torch.bfloat16),
+    ("nf4-g64", 24, 6, 2, "empty", torch.float16),
+    ("int4-min-g32", 1, 4, 2, "balanced", torch.bfloat16),
+    ("int4-min-g32", 17, 4, 3, "skewed", torch.float32),
+    ("int4-zp-channel", 21, 4, 2, "empty", torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-T{c[1]}-{c[4]}-{str(c[5])[6:]}" for c in CASES])
+def test_fused_experts_4bit(k, path, case):
+    name, T, E, top_k, kind, dtype = case
+    _, fmt, zero_point, group_size, H, I = FORMATS[FORMAT_IDS.index(name)]
+    q_gate_up, q_down = quantized_experts(k, E, H, I, fmt, zero_point, group_size, dtype)
+    x = torch.randn(T, H).to(dtype)
+    weights, ids = routing(kind, T, E, top_k)
+    out = k.fused_experts(x, q_gate_up, q_down, weights, ids)
+    assert_close(out, quantized_reference(k, x, q_gate_up, q_down, weights, ids), dtype)
+
+
+@pytest.mark.parametrize("T", [3, 20])
+def test_every_output_element_written(k, monkeypatch, T):
+    """The launcher writes into a NaN-poisoned output; int64 ids, duplicate slots, bf16 routing weights, and
+    ids outside [0, E) that select nothing."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    E, H, I = 4, 160, 32
+    q_gate_up, q_down = quantized_experts(k, E, H, I, "int4", True, 32, torch.float16)
+    x = torch.randn(T, H, dtype=torch.float16)
+    ids = torch.randint(0, E, (T, 3), dtype=torch.int64)
+    ids[0] = 2  # the same expert in every slot of token 0
+    ids[1, 1] = E  # a sentinel: selects nothing
+    ids[2, 0] = -1
+    weights = torch.rand(T, 3).to(torch.bfloat16)
+    out = torch.full((T, H), float("nan"), dtype=torch.float16)
+    k.ops.triton_kernels.experts(x, q_gate_up, q_down, weights, ids, out)
+    kept = weights.float() * ((ids >= 0) & (ids < E))
+    assert_close(out, quantized_reference(k, x, q_gate_up, q_down, kept, ids.clamp(0, E - 1)), torch.float16)
+
+
+def test_sentinel_ids_with_allow_sentinel(k, path):
+    """The op behind experts_forward on an expert-parallel shard: id E selects nothing."""
+    E, H, I, T = 4, 96, 32, 5
+    q_gate_up, q_down = quantized_experts(k, E, H, I, "int4", "float", 32, torch.bfloat16)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    weights, ids = routing("balanced", T, E, 2)
+    ids[::2, 1] = E
+    out = k.ops.fused_experts_4bit(x, *q_gate_up.flat(), *q_down.flat(), I, weights, ids, "silu", True)
+    kept = weights * (ids < E)
+    assert_close(out, quantized_reference(k, x, q_gate_up, q_down, kept, ids.clamp(max=E - 1)), torch.bfloat16)
+
+
+def test_paths_agree_and_deterministic(k, monkeypatch):
+    """Triton (interpreter) and PyTorch paths round at the same places; the Triton path repeats exactly."""
+    q_gate_up, q_down = quantized_experts(k, 4, 192, 64, "nf4", False, 64, torch.float32)
+    x = torch.randn(18, 192)
+    weights, ids = routing("balanced", 18, 4, 2)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    first = k.fused_experts(x, q_gate_up, q_down, weights, ids)
+    assert torch.equal(first, k.fused_experts(x, q_gate_up, q_down, weights, ids))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch.testing.assert_close(k.fused_experts(x, q_gate_up, q_down, weights, ids), first, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_tokens(k, path):
+    q_gate_up, q_down = quantized_experts(k, 4, 96, 32, "int4", False, 32, torch.bfloat16)
+    x = torch.empty(0, 96, dtype=torch.bfloat16)
+    weights, ids = k.route(torch.empty(0, 4), 2)
+    assert k.fused_experts(x, q_gate_up, q_down, weights, ids).shape == (0, 96)
+    assert k.moe_forward(x, torch.randn(4, 96), q_gate_up, q_down, 2).shape == (0, 96)
+
+
+# ----------------------------------------------------------------------------------------------------
+# moe_forward with 4-bit experts
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [2, 20])
+@pytest.mark.parametrize("mode", ["mixtral", "deepseek-shared"])
+def test_moe_forward_4bit(k, path, T, mode):
+    """Router fp32, experts int4 g32 bf16; DeepSeek-style routing with a dense shared expert added after."""
+    E, H, I, top_k, dtype = 8, 96, 32, 2, torch.bfloat16
+    x = torch.randn(T, H).to(dtype)
+    router_weight = torch.randn(E, H) / H**0.5
+    q_gate_up, q_down = quantized_experts(k, E, H, I, "int4", False, 32, dtype)
+    spec, shared = {}, None
+    if mode == "deepseek-shared":
+        spec = dict(scoring="sigmoid", renormalize=True, num_groups=4, topk_groups=2)
+        shared = make_experts(1, H, 32, dtype, seed=1)
+    out = k.moe_forward(x, router_weight, q_gate_up, q_down, top_k, **spec,
+                        shared_gate_up=shared[0][0] if shared else None, shared_down=shared[1][0] if shared else None)
+    logits = F.linear(x.float(), router_weight)
+    weights, ids = route_float64(logits, top_k, **spec)
+    ref = quantized_reference(k, x, q_gate_up, q_down, weights, ids)
+    if shared:
+        ref += experts_float64(x, shared[0], shared[1], torch.ones(T, 1), torch.zeros(T, 1, dtype=torch.int64))
+    assert_close(out, ref, dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------------------
+
+
+def _bad_calls(k):
+    E, H, I, T = 4, 96, 32, 3
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    q_gate_up, q_down = quantized_experts(k, E, H, I, "int4", True, 32, torch.bfloat16)
+    dense_gate_up, dense_down = make_experts(E, H, I, torch.bfloat16)
+    other_gate_up, other_down = quantized_experts(k, E, 128, I, "int4", True, 32, torch.bfloat16)
+    weights, ids = routing("balanced", T, E, 2)
+    fe = "fused_experts"
+    import dataclasses
+
+    return [
+        (fe, (x, q_gate_up, dense_down, weights, ids), TypeError, "w_down must be a QuantizedExperts"),
+        (fe, (x, dense_gate_up, q_down, weights, ids), TypeError, "w_gate_up must be a QuantizedExperts"),
+        (fe, (x, other_gate_up, q_down, weights, ids), ValueError, "w_gate_up"),
+        (fe, (x, q_gate_up, other_down, weights, ids), ValueError, "w_down"),
+        (fe, (x, q_gate_up, q_down.experts(slice(0, 3)), weights, ids), ValueError, "w_down holds 3 experts"),
+        (fe, (x.int(), q_gate_up, q_down, weights, ids), TypeError, "hidden_states"),
+        (fe, (x, q_gate_up, q_down, weights, ids + E), ValueError, "topk_ids"),
+        (fe, (x, q_gate_up, q_down, weights[:2], ids[:2]), ValueError, "topk_ids"),
+        (fe, (x, q_gate_up, q_down, weights, ids, {"activation": "gelu"}), ValueError, "activation"),
+        (fe, (x, q_gate_up, q_down.to("meta"), weights, ids), ValueError, "w_down is on meta"),
+        ("moe_forward", (x, torch.randn(E + 1, H), q_gate_up, q_down, 2), ValueError, "router_weight"),
+        ("moe_forward", (x, torch.randn(E, H), q_gate_up, q_down, E + 1), ValueError, "top_k"),
+        ("moe_forward", (x, torch.randn(E, H), q_gate_up, q_down, 2, {"shared_gate_up": dense_gate_up[0]}),
+         ValueError, "shared"),
+        ("quantize_experts", (dense_gate_up, dense_down, {"group_size": 48}), ValueError, "group_size"),
+        ("quantize_experts", (dense_gate_up, dense_down, {"group_size": 64}), ValueError, "group_size"),
+        ("quantize_experts", (dense_gate_up, dense_down, {"fmt": "int8"}), ValueError, "fmt"),
+        ("quantize_experts", (dense_gate_up, dense_down, {"fmt": "nf4", "zero_point": True}), ValueError,
+         "zero_point"),
+        ("quantize_experts", (dense_gate_up, dense_down, {"zero_point": "float", "group_size": -1}), ValueError,
+         "zero_point"),
+        ("quantize_experts", (dense_gate_up, dense_down, {"group_size": 32.0}), TypeError, "group_size"),
+        ("quantize_experts", (dense_gate_up.int(), dense_down), TypeError, "w_gate_up"),
+        ("quantize_experts", (dense_gate_up, dense_down[:, :, :16]), ValueError, "w_down"),
+        ("quantize_experts", (dense_gate_up, dense_down.tolist()), TypeError, "w_down"),
+        ("quantize_experts", (dense_gate_up * float("nan"), dense_down, {"group_size": 32}), ValueError, "w_gate_up"),
+        ("QuantizedExperts", (q_gate_up.qweight.float(), q_gate_up.scales, q_gate_up.shape, 32), ValueError,
+         "qweight"),
+        ("QuantizedExperts", (q_gate_up.qweight, q_gate_up.scales[:, :3], q_gate_up.shape, 32), ValueError, "scales"),
+        ("replace", (q_gate_up, {"zeros": q_gate_up.zeros.float()}), ValueError, "zeros"),
+        ("replace", (q_gate_up, {"zeros": None, "mins": q_gate_up.scales.float()}), ValueError, "mins"),
+        ("replace", (q_gate_up, {"fmt": "nf4"}), ValueError, "zeros|codebook"),
+        ("replace", (q_gate_up, {"group_size": -1}), ValueError, "scales"),
+        ("replace", (q_gate_up, {"codebook": torch.zeros(16)}), ValueError, "codebook"),
+        ("experts", (q_gate_up, 1), TypeError, "index"),
+    ], dataclasses
+
+
+def test_bad_input(k):
+    calls, dataclasses = _bad_calls(k)
+    for name, args, error, match in calls:
+        kwargs = args[-1] if isinstance(args[-1], dict) else {}
+        args = args[:-1] if kwargs else args
+        if name == "replace":
+            fn = dataclasses.replace
+        elif name == "experts":
+            fn = type(args[0]).experts
+        else:
+            fn = getattr(k, name)
+        with pytest.raises(error, match=match):
+            fn(*args, **kwargs)
+
+
+def test_expert_parallel_refused(k):
+    q_gate_up, q_down = quantized_experts(k, 4, 96, 32, "int4", False, 32, torch.bfloat16)
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    weights, ids = routing("balanced", 2, 4, 2)
+    with pytest.raises(ValueError, match="expert_parallel"):
+        k.fused_experts(x, q_gate_up, q_down, weights, ids, expert_parallel=object())
+    with pytest.raises(ValueError, match="expert_parallel"):
+        k.moe_forward(x, torch.randn(4, 96), q_gate_up, q_down, 2, expert_parallel=object())
+
+
+# ----------------------------------------------------------------------------------------------------
+# transformers
+# ----------------------------------------------------------------------------------------------------
+
+
+def tiny_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, max_position_embeddings=64)
+    return MixtralForCausalLM(config).float().eval()
+
+
+@pytest.mark.parametrize("tokens", [3])
+def test_transformers_4bit_experts(k, path, monkeypatch, tokens):
+    """A random Mixtral whose experts are quantized in place (quantize_experts_module) runs through
+    ExpertsInterface and matches the eager model with the dequantized weights (fp32: 1e-4)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    model = tiny_mixtral()
+    experts = model.model.layers[0].mlp.experts
+    input_ids = torch.randint(0, 96, (1, tokens))
+    k.quantize_experts_module(experts, group_size=32, zero_point=True)
+    assert isinstance(experts.gate_up_proj, k.QuantizedExperts)
+    reference = tiny_mixtral()
+    ref_experts = reference.model.layers[0].mlp.experts
+    with torch.no_grad():
+        ref_experts.gate_up_proj.copy_(k.dequantize(experts.gate_up_proj, torch.float32))
+        ref_experts.down_proj.copy_(k.dequantize(experts.down_proj, torch.float32))
+        reference.set_experts_implementation("eager")
+        eager = reference(input_ids).logits
+        monkeypatch.setitem(ExpertsInterface._global_mapping, "moe_dispatch", k.experts_forward)
+        model.set_experts_implementation("moe_dispatch")
+        ours = model(input_ids).logits
+    torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_transformers_refuses_foreign_quantization(k):
+    """Experts weights quantized by other schemes are refused with a ValueError naming the weight."""
+    model = tiny_mixtral()
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(3, 64)
+    weights, ids = routing("balanced", 3, 4, 2)
+    packed = torch.zeros(4, 64, 32, dtype=torch.uint8)  # a bitsandbytes-like uint8 pack
+    del experts.down_proj
+    experts.down_proj = torch.nn.Parameter(packed, requires_grad=False)
+    with pytest.raises(ValueError, match="down_proj is quantized by a scheme"):
+        k.experts_forward(experts, x, ids, weights)
+    experts = tiny_mixtral().model.layers[0].mlp.experts
+    experts.gate_up_proj_scales = torch.ones(4, 64, 2)  # MXFP4-style companion tensors
+    with pytest.raises(ValueError, match="gate_up_proj_scales"):
+        k.experts_forward(experts, x, ids, weights)
+    experts = tiny_mixtral().model.layers[0].mlp.experts
+    q_gate_up, _ = k.quantize_experts(experts.gate_up_proj.detach(), experts.down_proj.detach(), group_size=32)
+    del experts.gate_up_proj
+    experts.gate_up_proj = q_gate_up  # quantized gate/up, float down
+    with pytest.raises(ValueError, match="quantize both"):
+        k.experts_forward(experts, x, ids, weights)
