@@ -425,3 +425,36 @@ def test_transformers_refuses_foreign_quantization(k):
     experts.gate_up_proj = q_gate_up  # quantized gate/up, float down
     with pytest.raises(ValueError, match="quantize both"):
         k.experts_forward(experts, x, ids, weights)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The benchmark's 4-bit rows (their code paths that need no GPU)
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_bench_random_layers_and_goals(k, monkeypatch):
+    """The benchmark's random 4-bit experts are valid QuantizedExperts of the model's shapes that run; the 4-bit
+    goals read the 4-bit rows and the bf16 row of the same T."""
+    from hubtools.bench import moe_dispatch as bench
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = bench.Model(4, 2, 128, 128, dict(scoring="softmax", renormalize=True), (1,))
+    spec = bench.QUANT_FORMATS["int4-g128"]
+    (layer,) = bench.make_quantized_layers(k, model, 1, spec, device="cpu")
+    assert layer.w_gate_up.shape == (256, 128) and layer.w_down.shape == (128, 128)
+    # per expert: gate/up 256 x 128 codes + one group of 256 bf16 scales; down 128 x 128 codes + 128 scales
+    assert bench.quant_expert_bytes(k, model, spec) == 256 * 64 + 256 * 2 + 128 * 64 + 128 * 2
+    assert bench.quant_expert_bytes(k, model, spec) == layer.w_gate_up.expert_nbytes() + layer.w_down.expert_nbytes()
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    out = k.moe_forward(x, layer.router, layer.w_gate_up, layer.w_down, 2)
+    assert torch.isfinite(out).all() and 0.05 < out.float().std() < 20  # sane magnitudes for the bench check
+    rows = [
+        {"case": "mixtral-8x7b T=1", "impl": "ours", "seconds": 40e-6},
+        {"case": "mixtral-8x7b T=1", "impl": "weight-stream bound", "seconds": 36e-6},
+        {"case": "mixtral-8x7b 4bit-int4-g128 T=1", "impl": "ours", "seconds": 12e-6},
+        {"case": "mixtral-8x7b 4bit-int4-g128 T=1", "impl": "weight-stream bound", "seconds": 10e-6},
+    ]
+    goals = {g["goal"]: g for g in bench.goals({"rows": rows})}
+    assert goals["4-bit T=1 time / 4-bit weight-stream bound"]["value"] == pytest.approx(1.2)
+    assert goals["4-bit T=1: bf16 time / 4-bit time"]["value"] == pytest.approx(40 / 12)
+    assert goals["T=1 time / weight-stream bound"]["case"] == "mixtral-8x7b T=1"

@@ -8,6 +8,8 @@ Zipf-distributed ids. Baselines, measured in the same run:
   bandwidth measured in this run, the floor of any implementation at small T;
 - "torch._grouped_mm": only the two expert GEMMs, on tokens already gathered and sorted by expert
   (no routing, gather, activation, weighting or combine);
+- 4-bit experts (`<model> 4bit-<format> T=1`, `run_4bit`): moe_forward with `QuantizedExperts` against the
+  4-bit weight-stream bound (packed words, scales and zero points of the selected experts / copy bandwidth);
 - "per-expert loop": transformers' eager experts loop (gather rows, two cuBLAS GEMMs, SiLU * up,
   weight, index_add_) made capturable: each input's routing is computed ahead and each expert's token
   rows are static index tensors, so no host sync happens inside the graph.
@@ -65,6 +67,13 @@ GOALS = {  # model -> (ours / weight-stream bound time at T=1, at most)
     "qwen3-30b-a3b": 3.0,
 }
 GROUPED_MM_GOAL = 0.8  # ours TFLOP/s over torch._grouped_mm TFLOP/s, T >= 4096
+# 4-bit experts (issue 16): moe_forward with QuantizedExperts at T = 1, against the 4-bit weight-stream bound
+# (bytes of the selected experts' packed words, scales and zero points / copy bandwidth; the same goals as
+# bf16's against its bound) and against bf16 moe_forward at the same T, measured in the same run
+QUANT_FORMATS = {"int4-g128": dict(group_size=128, fmt="int4", zero_point=False)}
+QUANT_TOKENS = (1,)
+QUANT_SPEEDUP_GOAL = 3.0  # bf16 ours time / 4-bit ours time at T = 1 (4x fewer weight bytes)
+QUANT_MAX_COPIES = 8
 LOOP_GOAL = 3.0  # loop time over ours, every T <= 4096
 
 
@@ -236,6 +245,154 @@ def _rows_for(case: Case, name: str, copies: int, copy_bw: float) -> tuple[list[
     return rows, times
 
 
+# ----------------------------------------------------------------------------------------------------
+# 4-bit experts: random packed weights (every 32-bit pattern is a valid word of 4-bit codes), the layer's
+# router, rotated like the bf16 layers
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QuantLayer:
+    w_gate_up: object  # QuantizedExperts
+    w_down: object
+    router: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def random_quantized(k, experts: int, n: int, kdim: int, spec: dict, device="cuda"):
+    """QuantizedExperts [E, n, kdim] of random codes whose dequantized values have std ~ kdim^-0.5."""
+    q = k.quantized
+    group_size, fmt, zero_point = spec["group_size"], spec["fmt"], spec["zero_point"]
+    np_, kp = q.round_up(n, q.PAD_N), q.round_up(kdim, q.TILE_K)
+    groups = q.num_groups(kdim, group_size)
+    words = torch.randint(-2**31, 2**31, (experts, np_, kp // 8), dtype=torch.int32, device=device)
+    unit = 1.0 if fmt == "nf4" else 4.6  # std of codebook values / of uniform codes - 8
+    scales = (torch.rand(experts, groups, np_, device=device) + 0.5) * (kdim**-0.5 / unit)
+    zeros = mins = codebook = None
+    if zero_point is True:
+        zeros = torch.randint(6, 11, (experts, groups, np_), dtype=torch.uint8, device=device)
+    elif zero_point == "float":
+        mins = -8 * scales
+    if fmt == "nf4":
+        codebook = torch.tensor(k.NF4_CODEBOOK, dtype=torch.float32, device=device)
+    return k.QuantizedExperts(qweight=words, scales=scales.bfloat16(), shape=(n, kdim), group_size=group_size,
+                              fmt=fmt, zeros=zeros, mins=None if mins is None else mins.bfloat16(),
+                              codebook=codebook, dtype=torch.bfloat16)
+
+
+def make_quantized_layers(k, model: Model, copies: int, spec: dict, device="cuda") -> list[QuantLayer]:
+    E, H, I = model.experts, model.hidden, model.intermediate
+    layers = []
+    for _ in range(copies):
+        router = torch.empty(E, H, device=device, dtype=torch.bfloat16).normal_(0, H**-0.5)
+        bias = torch.randn(E, device=device) * 0.01 if model.routing["scoring"] == "sigmoid" else None
+        layers.append(QuantLayer(random_quantized(k, E, 2 * I, H, spec, device),
+                                 random_quantized(k, E, H, I, spec, device), router, bias))
+    return layers
+
+
+def quant_expert_bytes(k, model: Model, spec: dict) -> int:
+    """Bytes one expert's 4-bit weights take (packed words, scales, zero points or minima)."""
+    q = k.quantized
+    total = 0
+    for n, kdim in ((2 * model.intermediate, model.hidden), (model.hidden, model.intermediate)):
+        np_, params = q.round_up(n, q.PAD_N), q.num_groups(kdim, spec["group_size"])
+        per_param = BYTES + (1 if spec["zero_point"] is True else BYTES if spec["zero_point"] == "float" else 0)
+        total += np_ * q.round_up(kdim, q.TILE_K) // 2 + params * np_ * per_param
+    return total
+
+
+class QuantCase(Case):
+    """moe_forward with 4-bit experts at T tokens (routing from each input's router, as moe_forward does)."""
+
+    def __init__(self, k, model: Model, layers: list[QuantLayer], tokens: int, fmt_name: str, expert_bytes: int,
+                 seed: int):
+        super().__init__(k, model, layers, tokens, skewed=False, seed=seed)
+        self.fmt_name, self.q_expert_bytes = fmt_name, expert_bytes
+
+    @property
+    def label(self) -> str:
+        return f"4bit-{self.fmt_name} T={self.tokens}"
+
+    def weight_bytes(self) -> int:
+        return int(self.active_experts() * self.q_expert_bytes)
+
+    def reference(self, i: int) -> torch.Tensor:
+        """The per-expert loop (bf16 cuBLAS) on the dequantized selected experts of input i; not timed."""
+        layer, x = self.layers[i], self.xs[i]
+        weights, ids = self.routes[i]
+        inter = self.model.intermediate
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in ids.unique().tolist():
+            token, slot = (ids == expert).nonzero(as_tuple=True)
+            w_gate_up = self.k.dequantize(layer.w_gate_up.experts(slice(expert, expert + 1)), torch.bfloat16)[0]
+            w_down = self.k.dequantize(layer.w_down.experts(slice(expert, expert + 1)), torch.bfloat16)[0]
+            gate, up = F.linear(x[token], w_gate_up).split(inter, dim=-1)
+            out.index_add_(0, token, F.linear(F.silu(gate) * up, w_down).float() * weights[token, slot, None])
+        return out.to(x.dtype)
+
+
+def _quant_rows_for(case: QuantCase, name: str, copies: int, copy_bw: float) -> tuple[list[dict], dict]:
+    m, T = case.model, case.tokens
+    label = f"{name} {case.label}"
+    weight_bytes = case.weight_bytes()
+    layer_bytes = weight_bytes + 2 * T * m.hidden * BYTES + m.experts * m.hidden * BYTES
+    ours0, ref = case.ours(0).float(), case.reference(0).float()
+    err = ((ours0 - ref).norm() / ref.norm()).item()
+    if not math.isfinite(err) or err > 5e-2:
+        raise RuntimeError(f"{label}: output differs from the per-expert loop on the dequantized experts "
+                           f"(relative error {err:.3g})")
+    times = {"ours": graph_seconds(case.ours, copies), "bound": weight_bytes / copy_bw}
+    rows = [{"case": label, "impl": "ours", "seconds": times["ours"], "bytes": layer_bytes, "flops": case.flops(),
+             "baseline": "weight-stream bound", "verified_rel_err": err, "active_experts": case.active_experts(),
+             "copies": copies, "weight_format": case.fmt_name},
+            {"case": label, "impl": "weight-stream bound", "seconds": times["bound"], "bytes": weight_bytes,
+             "flops": 0}]
+    return rows, times
+
+
+def run_4bit(kernel_module, copy_bw: float | None = None, models: dict[str, Model] | None = None) -> dict:
+    """Only the 4-bit rows (a results dict like `run`'s; `run` includes them)."""
+    if copy_bw is None:
+        torch.manual_seed(0)
+        warm_clocks()
+        copy_bw = measure_copy_bandwidth()
+    rows = []
+    for name, model in (models or MODELS).items():
+        for fmt_name, spec in QUANT_FORMATS.items():
+            expert_bytes = quant_expert_bytes(kernel_module, model, spec)
+            copies = rotation_count(model.top_k * expert_bytes, max_copies=QUANT_MAX_COPIES)
+            layers = make_quantized_layers(kernel_module, model, copies, spec)
+            for i, T in enumerate(QUANT_TOKENS):
+                case = QuantCase(kernel_module, model, layers, T, fmt_name, expert_bytes, seed=100 + i)
+                case_rows, times = _quant_rows_for(case, name, copies, copy_bw)
+                rows += case_rows
+                print(f"{name} {case.label}: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in times.items()),
+                      flush=True)
+                del case
+            del layers
+            torch.cuda.empty_cache()
+    return {"kernel": "moe-dispatch", "env": environment(), "copy_bandwidth": copy_bw, "rows": rows, "notes": NOTES}
+
+
+def _quant_goals(by_case: dict[str, dict]) -> list[dict]:
+    out = []
+    for case, impls in by_case.items():
+        name, label = case.split(" ", 1)
+        if not label.startswith("4bit-") or int(label.split("T=")[1]) != 1:
+            continue
+        ours = impls["ours"]["seconds"]
+        ratio = ours / impls["weight-stream bound"]["seconds"]
+        out.append({"goal": "4-bit T=1 time / 4-bit weight-stream bound", "case": case, "value": ratio,
+                    "target": GOALS[name], "met": ratio <= GOALS[name], "at_most": True})
+        bf16 = by_case.get(f"{name} T=1", {}).get("ours")
+        if bf16 is not None:
+            speedup = bf16["seconds"] / ours
+            out.append({"goal": "4-bit T=1: bf16 time / 4-bit time", "case": case, "value": speedup,
+                        "target": QUANT_SPEEDUP_GOAL, "met": speedup >= QUANT_SPEEDUP_GOAL})
+    return out
+
+
 def goals(results: dict) -> list[dict]:
     """The issue's goals, evaluated on the measured rows."""
     if results.get("mode") == "expert-parallel":
@@ -246,6 +403,8 @@ def goals(results: dict) -> list[dict]:
     out = []
     for case, impls in by_case.items():
         name, label = case.split(" ", 1)
+        if label.startswith("4bit-"):
+            continue
         tokens, skewed = int(label.split("T=")[1]), label.startswith("skewed")
         ours = impls["ours"]["seconds"]
         if tokens == 1:
@@ -260,7 +419,7 @@ def goals(results: dict) -> list[dict]:
             ratio = impls["per-expert loop"]["seconds"] / ours
             out.append({"goal": "per-expert loop time / ours", "case": case, "value": ratio,
                         "target": LOOP_GOAL, "met": ratio >= LOOP_GOAL})
-    return out
+    return out + _quant_goals(by_case)
 
 
 NOTES = [
@@ -270,6 +429,9 @@ NOTES = [
     "ahead, static per-expert index tensors, no host sync, graph-replayed). `ours` times the whole layer "
     "(`moe_forward`: router GEMM, routing, sort, both expert GEMMs, combine); skewed cases time `fused_experts` "
     "on Zipf-distributed ids.",
+    "4-bit rows (`<model> 4bit-<format> T=1`): moe_forward with QuantizedExperts of random codes (int4 g128 "
+    "symmetric: packed words + bf16 scales), bound = bytes of the selected experts' packed words and scales / copy "
+    "bandwidth; checked against the per-expert loop on the dequantized experts before timing.",
 ]
 
 
@@ -295,6 +457,7 @@ def run(kernel_module) -> dict:
             del case
         del layers
         torch.cuda.empty_cache()
+    rows += run_4bit(kernel_module, copy_bw)["rows"]
     return {"kernel": "moe-dispatch", "env": environment(), "copy_bandwidth": copy_bw, "matmul_flops": matmul_flops,
             "rows": rows, "notes": NOTES}
 

@@ -10,7 +10,7 @@ from .parallel import ExpertParallel
 from .quantized import NF4_CODEBOOK, QuantizedExperts, dequantize, quantize_experts, quantize_experts_module
 
 __all__ = ["route", "fused_experts", "moe_forward", "experts_forward", "ExpertParallel", "QuantizedExperts",
-           "quantize_experts", "quantize_experts_module", "dequantize", "NF4_CODEBOOK", "layers"]
+           "quantize_experts", "quantize_experts_module", "dequantize", "NF4_CODEBOOK", "layers", "quantized"]
 
 
 def _is_quantized(w_gate_up, w_down) -> bool:

@@ -13,6 +13,11 @@ Launches for a whole layer (`moe_forward`), none of them sized by device data (n
 
 `fused_experts` with caller-given ids runs `_histogram_kernel` in place of the router.
 
+4-bit experts (`QuantizedExperts`, quantized.py) run the same launches: the four expert kernels take
+QUANT=True and the format as constexprs (NF4, HAS_ZERO, HAS_MIN, GROUP); their K loops then step one packed
+tile (128 columns, 16 words per row) at a time and dequantize it in registers (`_dequant_tile`) into the
+operand of the same tl.dot. No shared expert rides along with them (the op adds a dense one after).
+
 Buffers are sized by upper bounds known from shapes: the padded pair count is at most
 (T*k // BLOCK_M + min(E, T*k)) * BLOCK_M <= T*k + E*(BLOCK_M-1). A shared expert of the routed experts'
 intermediate size rides along as expert E in an extra top-k slot of weight 1.
@@ -337,14 +342,22 @@ def _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, rows, n_ok, tile, stri
     w = tl.load(q_base + rows[:, None] * stride_qn + tile * _WORDS + col[None, :], mask=n_ok[:, None], other=0,
                 eviction_policy="evict_first")
     return _natural_order(
-        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 0, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
-        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 1, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
-        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 2, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
-        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 3, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
-        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 4, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
-        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 5, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
-        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 6, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE),
-        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 7, NF4, HAS_ZERO, HAS_MIN, GROUP).to(DTYPE))
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 0, NF4, HAS_ZERO, HAS_MIN,
+               GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 1, NF4, HAS_ZERO, HAS_MIN,
+               GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 2, NF4, HAS_ZERO, HAS_MIN,
+               GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 3, NF4, HAS_ZERO, HAS_MIN,
+               GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 4, NF4, HAS_ZERO, HAS_MIN,
+               GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 5, NF4, HAS_ZERO, HAS_MIN,
+               GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 6, NF4, HAS_ZERO, HAS_MIN,
+               GROUP).to(DTYPE),
+        _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 7, NF4, HAS_ZERO, HAS_MIN,
+               GROUP).to(DTYPE))
 
 
 @triton.jit
@@ -658,7 +671,16 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
     """Heuristic block sizes when no tuned config exists for the shape (`quantized`: 4-bit experts, whose
     BLOCK_K is the packed tile; `_for_weights`)."""
     if quantized:
-        return _for_weights(default_config(tokens, num_experts, hidden, intermediate, top_k, device), True)
+        config = _for_weights(default_config(tokens, num_experts, hidden, intermediate, top_k, device), True)
+        if "BLOCK_M" in config:
+            # (BLOCK_N, num_warps, num_stages) per BLOCK_M for both grouped kernels: no register spills in an sm_90
+            # compile on the CPU (triton 3.9) for int4 (zero points, minima) and NF4, NF4's shared memory
+            # <= 208 KB; not yet measured on a GPU
+            n, warps, stages = {16: (64, 4, 3), 32: (64, 4, 3), 64: (128, 8, 3), 128: (64, 8, 3)}[config["BLOCK_M"]]
+            for key, rows in (("gate_up", intermediate), ("down", hidden)):
+                config[key] = {**config[key], "BLOCK_N": _pow2_at_most(rows, n), "num_warps": warps,
+                               "num_stages": stages}
+        return config
     sms = _sm_count(device)
     if tokens <= DECODE_MAX_TOKENS:
         active = min(num_experts, tokens * top_k)
