@@ -458,3 +458,32 @@ def test_bench_random_layers_and_goals(k, monkeypatch):
     assert goals["4-bit T=1 time / 4-bit weight-stream bound"]["value"] == pytest.approx(1.2)
     assert goals["4-bit T=1: bf16 time / 4-bit time"]["value"] == pytest.approx(40 / 12)
     assert goals["T=1 time / weight-stream bound"]["case"] == "mixtral-8x7b T=1"
+
+
+def test_quantize_in_chunks(k, monkeypatch):
+    """Experts quantized a few at a time (large models) give the same bits as all at once."""
+    w_gate_up, w_down = make_experts(5, 96, 32, torch.bfloat16, seed=4)
+    whole = k.quantized.quantize(w_down, group_size=32, zero_point=True)
+    monkeypatch.setattr(k.quantized, "QUANTIZE_CHUNK_ELEMENTS", 2 * 96 * 32)
+    chunked = k.quantized.quantize(w_down, group_size=32, zero_point=True)
+    for field in ("qweight", "scales", "zeros"):
+        assert torch.equal(getattr(chunked, field), getattr(whole, field))
+    assert chunked.mins is None and chunked.num_experts == 5
+
+
+def test_fake_tensors_and_no_data_reads(k):
+    """The 4-bit ops' fake kernels give the output's shape under FakeTensorMode (what torch.compile traces)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q_gate_up, q_down = quantized_experts(k, 4, 96, 32, "nf4", False, 32, torch.bfloat16)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        x = mode.from_tensor(torch.randn(3, 96, dtype=torch.bfloat16))
+        weights, ids = mode.from_tensor(torch.rand(3, 2)), mode.from_tensor(torch.zeros(3, 2, dtype=torch.int32))
+        fake = [k.QuantizedExperts(**{**vars(q), **{f: mode.from_tensor(t) for f, t in q.tensors().items()}})
+                for q in (q_gate_up, q_down)]
+        out = k.ops.fused_experts_4bit(x, *fake[0].flat(), *fake[1].flat(), 32, weights, ids, "silu")
+        assert out.shape == (3, 96) and out.dtype == torch.bfloat16
+        router = mode.from_tensor(torch.randn(4, 96))
+        out = k.ops.moe_forward_4bit(x, router, *fake[0].flat(), *fake[1].flat(), 32, 2, "softmax", True, None,
+                                     None, None, 1.0, None, None)
+        assert out.shape == (3, 96)

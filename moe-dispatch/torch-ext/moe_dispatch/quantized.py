@@ -116,7 +116,8 @@ class QuantizedExperts:
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {self.dtype}")
         np_, kp = self.padded_shape
         g = num_groups(k, self.group_size)
-        if self.qweight.dtype != torch.int32 or self.qweight.dim() != 3 or tuple(self.qweight.shape[1:]) != (np_, kp // 8):
+        if (self.qweight.dtype != torch.int32 or self.qweight.dim() != 3
+                or tuple(self.qweight.shape[1:]) != (np_, kp // 8)):
             raise ValueError(f"qweight must be int32 of shape [E, {np_}, {kp // 8}] for experts of shape {self.shape}, "
                              f"got {self.qweight.dtype} {tuple(self.qweight.shape)}")
         experts = self.qweight.shape[0]
@@ -296,8 +297,25 @@ def quantize(weights: torch.Tensor, *, group_size: int = 128, fmt: str = "int4",
     check_group_size(group_size, k, f"group_size (for {name})")
     if zero_point == "float" and group_size == -1:
         raise ValueError("zero_point='float' needs scale groups (group_size 32, 64 or a multiple of 128)")
+    # experts in chunks: the fp32 copy and the int64 packing buffer of all of a large model's experts at once
+    # would take ~6x the bf16 weights' memory
+    step = max(1, QUANTIZE_CHUNK_ELEMENTS // (n * k))
+    if step < experts:
+        parts = [_quantize(weights[e:e + step], group_size, fmt, zero_point, name) for e in range(0, experts, step)]
+        first = parts[0]
+        joined = {field: torch.cat([getattr(p, field) for p in parts])
+                  for field in ("qweight", "scales", "zeros", "mins") if getattr(first, field) is not None}
+        return replace(first, **joined)
+    return _quantize(weights, group_size, fmt, zero_point, name)
+
+
+QUANTIZE_CHUNK_ELEMENTS = 2**27  # weights quantized per step (fp32 copy 512 MB, packing buffer 1 GB)
+
+
+def _quantize(weights: torch.Tensor, group_size: int, fmt: str, zero_point, name: str) -> QuantizedExperts:
     if not torch.isfinite(weights).all():
         raise ValueError(f"{name} holds inf or NaN values, which have no 4-bit code")
+    experts, n, k = weights.shape
     w = weights.detach().float()
     w = w.view(experts, n, 1, k) if group_size == -1 else w.view(experts, n, k // group_size, group_size)
     zeros = mins = codebook = None

@@ -1,0 +1,115 @@
+"""moe-dispatch with 4-bit experts on a CUDA GPU (skipped without one): the compiled kernels at model-like sizes
+against float64, torch.compile(fullgraph=True), CUDA graphs. Not yet run: written on a machine without a GPU.
+
+References take the dequantized weights exactly, in float64. Tolerance (relative, norm): the dense kernels'
+three bf16 roundings (SiLU*up, weighted output, final sum, 2^-9 each) plus the rounding of each dequantized
+weight to bf16 (2^-9, random in sign over K terms): near 5e-3; we allow 1.5e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+TOL = 1.5e-2
+FORMATS = {  # name: (fmt, zero_point, group_size)
+    "int4-g128": ("int4", False, 128),
+    "int4-zp-g32": ("int4", True, 32),
+    "int4-min-g64": ("int4", "float", 64),
+    "nf4-g64": ("nf4", False, 64),
+    "int4-zp-channel": ("int4", True, -1),
+}
+
+
+@pytest.fixture(scope="module")
+def k(load_kernel):
+    return load_kernel("moe-dispatch")
+
+
+def experts_float64(x, w_gate_up, w_down, weights, ids):
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    intermediate = w_down.shape[2]
+    for e in ids.unique().tolist():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        gate_up = x[token].double() @ w_gate_up[e].double().T
+        act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        out.index_add_(0, token, (act @ w_down[e].double().T) * weights[token, slot, None].double())
+    return out
+
+
+def layer(k, E, H, I, name, seed=0):
+    fmt, zero_point, group_size = FORMATS[name]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w_gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).bfloat16()
+    w_down = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).bfloat16()
+    return k.quantize_experts(w_gate_up, w_down, group_size=group_size, fmt=fmt, zero_point=zero_point)
+
+
+def routing(T, E, top_k, skewed=False):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    if skewed:
+        ids = torch.arange(top_k, device="cuda").repeat(T, 1)
+    else:
+        ids = torch.rand(T, E, device="cuda", generator=g).argsort(1)[:, :top_k]
+    weights = torch.rand(T, top_k, device="cuda", generator=g) + 0.1
+    return weights / weights.sum(1, keepdim=True), ids.int()
+
+
+def rel_error(out, ref):
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("T,skewed", [(1, False), (5, False), (16, True), (300, False), (1200, True)])
+def test_fused_experts_4bit(k, name, T, skewed):
+    """E=16, H=2048, I=768 (Qwen3-30B-A3B's expert size), top-8; decode (T <= 16) and grouped kernels."""
+    E, H, I, top_k = 16, 2048, 768, 8
+    q_gate_up, q_down = layer(k, E, H, I, name)
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    weights, ids = routing(T, E, top_k, skewed)
+    out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+    k.ops.triton_kernels.experts(x, q_gate_up, q_down, weights, ids, out)
+    ref = experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32), weights,
+                          ids)
+    assert rel_error(out, ref) <= TOL
+
+
+def test_compile_and_cuda_graph(k):
+    """moe_forward with 4-bit experts under torch.compile(fullgraph=True) and replayed from a CUDA graph."""
+    E, H, I, top_k = 8, 1024, 512, 2
+    q_gate_up, q_down = layer(k, E, H, I, "int4-g128")
+    router = torch.randn(E, H, device="cuda").bfloat16() / H**0.5
+    x = torch.randn(4, H, device="cuda").bfloat16()
+    eager = k.moe_forward(x, router, q_gate_up, q_down, top_k)
+    compiled = torch.compile(lambda t: k.moe_forward(t, router, q_gate_up, q_down, top_k), fullgraph=True)
+    torch.testing.assert_close(compiled(x), eager)
+    static = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        k.moe_forward(static, router, q_gate_up, q_down, top_k)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = k.moe_forward(static, router, q_gate_up, q_down, top_k)
+    fresh = torch.randn(4, H, device="cuda").bfloat16()
+    static.copy_(fresh)
+    graph.replay()
+    torch.testing.assert_close(out, k.moe_forward(fresh, router, q_gate_up, q_down, top_k))
+
+
+def test_deepseek_size_decode(k):
+    """DeepSeek-V3's expert shapes (E=256, H=7168, I=2048), T=1, int4 g128: 64-bit offsets across experts."""
+    E, H, I, top_k = 256, 7168, 2048, 8
+    q_gate_up, q_down = layer(k, E, H, I, "int4-g128")
+    x = torch.randn(1, H, device="cuda").bfloat16()
+    weights, ids = routing(1, E, top_k)
+    ids[0, 0] = E - 1  # the last expert: the largest offsets
+    out = k.fused_experts(x, q_gate_up, q_down, weights, ids)
+    picked = ids.unique()
+    remap = torch.searchsorted(picked, ids.long()).int()
+    dequantized = [k.quantized.dequantize_fp32(q, picked) for q in (q_gate_up, q_down)]  # the picked experts only
+    ref = experts_float64(x, *dequantized, weights, remap)
+    assert rel_error(out, ref) <= TOL
