@@ -292,14 +292,20 @@ def _matmul_tile(a_ptrs, a_ok, b_ptrs, n_ok, K, PRECISION: tl.constexpr, UPCAST:
 _MAGIC_BITS = tl.constexpr(0x4B000000)  # 2**23 as fp32 bits: (code | bits) read as fp32 is 2**23 + code
 _MAGIC = tl.constexpr(8388608.0)
 _TILE = tl.constexpr(128)  # K-columns per packed tile
+# int4 without minima whose scale groups span whole tiles (>= 128 columns, or per channel): the dots take the
+# exact integers code - zero and each tile's fp32 partial product is scaled once (SCALE_ON_ACC), so the operand
+# is not rounded and the scale costs one multiply per output and tile instead of one per weight. False: the
+# scale goes on the operand as for the other formats (for tuning).
+SCALE_ON_ACC = True
 _WORDS = tl.constexpr(16)  # int32 words per packed tile and row
 
 
 @triton.jit
 def _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, J: tl.constexpr, NF4: tl.constexpr,
-           HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr):
+           HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr):
     """Nibble plane J of a [BLOCK_N, 16] word tile (K-columns 128 tile + 16 J + c) dequantized in fp32:
-    ``(code - zero) * scale`` (zero 8 when symmetric), ``code * scale + min`` or ``codebook[code] * scale``."""
+    ``(code - zero) * scale`` (zero 8 when symmetric), ``code * scale + min`` or ``codebook[code] * scale``.
+    SCALE_ON_ACC (int4 without minima, one group per tile): the exact integers ``code - zero``, unscaled."""
     code = (w >> (4 * J)) & 0xF
     if GROUP == -1:  # per channel: one group
         offs = rows
@@ -318,6 +324,8 @@ def _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, J: tl
             v = v - tl.load(z_base + offs, mask=n_ok, other=0).to(tl.float32)[:, None]
         elif not HAS_MIN:
             v = v - 8.0
+    if SCALE_ON_ACC:
+        return v
     scale = tl.load(s_base + offs, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if HAS_MIN:
         return v * scale + tl.load(m_base + offs, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -335,7 +343,7 @@ def _natural_order(p0, p1, p2, p3, p4, p5, p6, p7):
 @triton.jit
 def _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, rows, n_ok, tile, stride_qn, stride_sg,
                   NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
-                  DTYPE: tl.constexpr):
+                  SCALE_ON_ACC: tl.constexpr, DTYPE: tl.constexpr):
     """Rows `rows` (int64; rows outside n_ok read as zero) of one expert's K-tile `tile` as a [BLOCK_N, 128]
     tile of DTYPE in K order: 16 words per row (four 128-bit loads), streamed once (evicted first)."""
     col = tl.arange(0, _WORDS)
@@ -343,28 +351,49 @@ def _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, rows, n_ok, tile, stri
                 eviction_policy="evict_first")
     return _natural_order(
         _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 0, NF4, HAS_ZERO, HAS_MIN,
-               GROUP).to(DTYPE),
+               GROUP, SCALE_ON_ACC).to(DTYPE),
         _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 1, NF4, HAS_ZERO, HAS_MIN,
-               GROUP).to(DTYPE),
+               GROUP, SCALE_ON_ACC).to(DTYPE),
         _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 2, NF4, HAS_ZERO, HAS_MIN,
-               GROUP).to(DTYPE),
+               GROUP, SCALE_ON_ACC).to(DTYPE),
         _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 3, NF4, HAS_ZERO, HAS_MIN,
-               GROUP).to(DTYPE),
+               GROUP, SCALE_ON_ACC).to(DTYPE),
         _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 4, NF4, HAS_ZERO, HAS_MIN,
-               GROUP).to(DTYPE),
+               GROUP, SCALE_ON_ACC).to(DTYPE),
         _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 5, NF4, HAS_ZERO, HAS_MIN,
-               GROUP).to(DTYPE),
+               GROUP, SCALE_ON_ACC).to(DTYPE),
         _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 6, NF4, HAS_ZERO, HAS_MIN,
-               GROUP).to(DTYPE),
+               GROUP, SCALE_ON_ACC).to(DTYPE),
         _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 7, NF4, HAS_ZERO, HAS_MIN,
-               GROUP).to(DTYPE))
+               GROUP, SCALE_ON_ACC).to(DTYPE))
+
+
+@triton.jit
+def _tile_scales(s_base, rows, n_ok, tile, stride_sg, GROUP: tl.constexpr):
+    """[BLOCK_N] fp32 scales of K-tile `tile` (one group spans it)."""
+    if GROUP == -1:
+        offs = rows
+    else:
+        offs = tl.cast(tile // (GROUP // 128), tl.int64) * stride_sg + rows
+    return tl.load(s_base + offs, mask=n_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _accumulate(a, w, acc, s_base, rows, n_ok, tile, stride_sg, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ w^T for a dequantized [BLOCK_N, 128] tile w; SCALE_ON_ACC: w holds unscaled integers, and the
+    tile's product is scaled here, per output column, before it is added."""
+    if SCALE_ON_ACC:
+        part = _dot(a, tl.trans(w), tl.zeros(acc.shape, dtype=tl.float32), PRECISION, UPCAST)
+        return acc + part * _tile_scales(s_base, rows, n_ok, tile, stride_sg, GROUP)[None, :]
+    return _dot(a, tl.trans(w), acc, PRECISION, UPCAST)
 
 
 @triton.jit
 def _swiglu_tile_q(a_ptrs, a_ok, q_base, s_base, z_base, m_base, cb_ptr, g_rows, u_rows, n_ok, K, stride_qn,
                    stride_sg, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr,
-                   HAS_MIN: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr):
+                   HAS_MIN: tl.constexpr, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr, DTYPE: tl.constexpr):
     """`_swiglu_tile` on 4-bit weights: `a_ptrs` [BLOCK_M, 128] at K-column 0, gate / up rows `g_rows` / `u_rows`."""
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -374,12 +403,15 @@ def _swiglu_tile_q(a_ptrs, a_ok, q_base, s_base, z_base, m_base, cb_ptr, g_rows,
             a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
         else:  # columns past K: x reads zero (the padded codes there need not dequantize to zero)
             a = tl.load(a_ptrs, mask=a_ok[:, None] & (offs_k + tile * _TILE < K)[None, :], other=0.0)
+        # gate, then up: one dequantized tile live at a time
         g = _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, g_rows, n_ok, tile, stride_qn, stride_sg, NF4,
-                          HAS_ZERO, HAS_MIN, GROUP, DTYPE)
-        acc_g = _dot(a, tl.trans(g), acc_g, PRECISION, UPCAST)
+                          HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC, DTYPE)
+        acc_g = _accumulate(a, g, acc_g, s_base, g_rows, n_ok, tile, stride_sg, GROUP, SCALE_ON_ACC, PRECISION,
+                            UPCAST)
         u = _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, u_rows, n_ok, tile, stride_qn, stride_sg, NF4,
-                          HAS_ZERO, HAS_MIN, GROUP, DTYPE)
-        acc_u = _dot(a, tl.trans(u), acc_u, PRECISION, UPCAST)
+                          HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC, DTYPE)
+        acc_u = _accumulate(a, u, acc_u, s_base, u_rows, n_ok, tile, stride_sg, GROUP, SCALE_ON_ACC, PRECISION,
+                            UPCAST)
         a_ptrs += _TILE
     return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
 
@@ -388,7 +420,7 @@ def _swiglu_tile_q(a_ptrs, a_ok, q_base, s_base, z_base, m_base, cb_ptr, g_rows,
 def _matmul_tile_q(a_ptrs, a_ok, q_base, s_base, z_base, m_base, cb_ptr, rows, n_ok, K, stride_qn, stride_sg,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    EVEN_K: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                   GROUP: tl.constexpr, DTYPE: tl.constexpr):
+                   GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr, DTYPE: tl.constexpr):
     """`_matmul_tile` on 4-bit weights."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     offs_k = tl.arange(0, _TILE)
@@ -398,8 +430,8 @@ def _matmul_tile_q(a_ptrs, a_ok, q_base, s_base, z_base, m_base, cb_ptr, rows, n
         else:
             a = tl.load(a_ptrs, mask=a_ok[:, None] & (offs_k + tile * _TILE < K)[None, :], other=0.0)
         b = _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, rows, n_ok, tile, stride_qn, stride_sg, NF4,
-                          HAS_ZERO, HAS_MIN, GROUP, DTYPE)
-        acc = _dot(a, tl.trans(b), acc, PRECISION, UPCAST)
+                          HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC, DTYPE)
+        acc = _accumulate(a, b, acc, s_base, rows, n_ok, tile, stride_sg, GROUP, SCALE_ON_ACC, PRECISION, UPCAST)
         a_ptrs += _TILE
     return acc
 
@@ -439,7 +471,7 @@ def _gate_up_grouped_kernel(
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
 ):
     """QUANT: 4-bit experts (BLOCK_K is then the packed tile, 128; w_ptr the packed words, s/z/m/cb_ptr their
     scales, zero points, minima and codebook; no shared expert)."""
@@ -457,7 +489,8 @@ def _gate_up_grouped_kernel(
         g_rows = offs_n.to(tl.int64)
         act = _swiglu_tile_q(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :], row_ok, q_base, s_base, z_base,
                              m_base, cb_ptr, g_rows, g_rows + I, n_ok, H, stride_wn, stride_sg, PRECISION, UPCAST,
-                             BLOCK_M, BLOCK_N, EVEN_K, NF4, HAS_ZERO, HAS_MIN, GROUP, x_ptr.dtype.element_ty)
+                             BLOCK_M, BLOCK_N, EVEN_K, NF4, HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC,
+                             x_ptr.dtype.element_ty)
     else:
         w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed, stride_we, stride_wn, stride_sn,
                                            HAS_SHARED)
@@ -476,7 +509,7 @@ def _down_grouped_kernel(
     HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
 ):
     pid_n, expert, rows, pairs = _grouped_tile(tl.program_id(0), num_m_blocks, H, block_expert_ptr,
                                                sorted_ids_ptr, BLOCK_M, BLOCK_N, GROUP_M)
@@ -491,7 +524,7 @@ def _down_grouped_kernel(
         q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, expert, stride_we, stride_se)
         acc = _matmul_tile_q(a_ptrs, row_ok, q_base, s_base, z_base, m_base, cb_ptr, offs_n.to(tl.int64), n_ok, I,
                              stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_M, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
-                             HAS_MIN, GROUP, inter_ptr.dtype.element_ty)
+                             HAS_MIN, GROUP, SCALE_ON_ACC, inter_ptr.dtype.element_ty)
     else:
         w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed, stride_we, stride_wn, stride_sn,
                                            HAS_SHARED)
@@ -549,7 +582,7 @@ def _gate_up_decode_kernel(
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr,
-    HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
 ):
     """QUANT: 4-bit experts, streamed once per selected expert and dequantized in registers (see the grouped kernel)."""
     e, first = _first_pick(ids_ptr, tl.program_id(0), T * TOP_K, num_experts, BLOCK_P)
@@ -564,7 +597,7 @@ def _gate_up_decode_kernel(
             g_rows = offs_n.to(tl.int64)
             act = _swiglu_tile_q(a_ptrs, t < T, q_base, s_base, z_base, m_base, cb_ptr, g_rows, g_rows + I, n_ok, H,
                                  stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_T, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
-                                 HAS_MIN, GROUP, x_ptr.dtype.element_ty)
+                                 HAS_MIN, GROUP, SCALE_ON_ACC, x_ptr.dtype.element_ty)
         else:
             w_base, stride_n = _expert_weights(w_ptr, shared_ptr, e, num_routed, stride_we, stride_wn, stride_sn,
                                                HAS_SHARED)
@@ -584,7 +617,7 @@ def _down_decode_kernel(
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr,
-    HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
 ):
     """Down projection of one selected expert for one column block, written weighted to each slot that picked it."""
     e, first = _first_pick(ids_ptr, tl.program_id(0), T * TOP_K, num_experts, BLOCK_P)
@@ -599,7 +632,7 @@ def _down_decode_kernel(
             q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, e, stride_we, stride_se)
             acc = _matmul_tile_q(a_ptrs, hit, q_base, s_base, z_base, m_base, cb_ptr, offs_n.to(tl.int64), n_ok, I,
                                  stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_T, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
-                                 HAS_MIN, GROUP, inter_ptr.dtype.element_ty)
+                                 HAS_MIN, GROUP, SCALE_ON_ACC, inter_ptr.dtype.element_ty)
         else:
             w_base, stride_n = _expert_weights(w_ptr, shared_ptr, e, num_routed, stride_we, stride_wn, stride_sn,
                                                HAS_SHARED)
@@ -673,11 +706,12 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
     if quantized:
         config = _for_weights(default_config(tokens, num_experts, hidden, intermediate, top_k, device), True)
         if "BLOCK_M" in config:
-            # (BLOCK_N, num_warps, num_stages) per BLOCK_M for both grouped kernels: no register spills in an sm_90
-            # compile on the CPU (triton 3.9) for int4 (zero points, minima) and NF4, NF4's shared memory
-            # <= 208 KB; not yet measured on a GPU
-            n, warps, stages = {16: (64, 4, 3), 32: (64, 4, 3), 64: (128, 8, 3), 128: (64, 8, 3)}[config["BLOCK_M"]]
-            for key, rows in (("gate_up", intermediate), ("down", hidden)):
+            # (BLOCK_N, num_warps, num_stages) of the gate/up and the down kernel per BLOCK_M: no register spills
+            # in an sm_90 compile on the CPU (triton 3.9) for int4 (symmetric, zero points, minima) and NF4; not
+            # yet measured on a GPU
+            up, down = {16: ((64, 4, 3), (64, 4, 3)), 32: ((64, 4, 3), (64, 4, 3)), 64: ((128, 8, 3), (128, 8, 3)),
+                        128: ((32, 8, 3), (64, 8, 3))}[config["BLOCK_M"]]
+            for key, rows, (n, warps, stages) in (("gate_up", intermediate, up), ("down", hidden, down)):
                 config[key] = {**config[key], "BLOCK_N": _pow2_at_most(rows, n), "num_warps": warps,
                                "num_stages": stages}
         return config
@@ -811,13 +845,14 @@ def _weight_args(w) -> tuple[tuple, tuple, dict]:
     expert weight; dense weights pass themselves for the unused pointers (QUANT=False prunes every use)."""
     if not isinstance(w, QuantizedExperts):
         return (w, w, w, w), (w.stride(0), w.stride(1), 0, 0), dict(QUANT=False, NF4=False, HAS_ZERO=False,
-                                                                   HAS_MIN=False, GROUP=128)
+                                                                   HAS_MIN=False, GROUP=128, SCALE_ON_ACC=False)
     s = w.scales
     ptrs = (s, w.zeros if w.zeros is not None else s, w.mins if w.mins is not None else s,
             w.codebook if w.codebook is not None else s)
     return ptrs, (w.qweight.stride(0), w.qweight.stride(1), s.stride(0), s.stride(1)), dict(
         QUANT=True, NF4=w.codebook is not None, HAS_ZERO=w.zeros is not None, HAS_MIN=w.mins is not None,
-        GROUP=w.group_size)
+        GROUP=w.group_size, SCALE_ON_ACC=SCALE_ON_ACC and w.codebook is None and w.mins is None
+        and (w.group_size == -1 or w.group_size >= 128))
 
 
 def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
