@@ -78,3 +78,18 @@ class MoEForward(kernels.Benchmark):
 
     def verify_deepseek_routing(self):
         return self._reference()
+
+    # Mixtral-8x7B decode with 4-bit experts (int4, groups of 128, round to nearest): the same layer streaming
+    # a quarter of the weight bytes
+    def setup_mixtral_decode_int4(self):
+        self._setup(1, 8, 2, 4096, 14336, scoring="softmax", renormalize=True)
+        self.w_gate_up, self.w_down = self.kernel.quantize_experts(self.w_gate_up, self.w_down, group_size=128)
+
+    def benchmark_mixtral_decode_int4(self):
+        self._run()
+
+    def verify_mixtral_decode_int4(self):
+        logits = F.linear(self.x, self.router)
+        weights, ids = self.kernel.route(logits, self.top_k, correction_bias=self.bias, **self.routing)
+        w_gate_up, w_down = (self.kernel.dequantize(w, torch.bfloat16) for w in (self.w_gate_up, self.w_down))
+        return _experts_fp32(self.x, w_gate_up, w_down, weights, ids)
