@@ -1,15 +1,16 @@
 """moe-dispatch with 4-bit experts on CPU: the format against w4a16's, the Triton kernels through the interpreter
 and the PyTorch path against float64 references, small shapes.
 
-The references take the dequantized weights exactly (fp32 values of ``(q - zero) * scale`` etc., which are exact
-products for int4 and within 2^-24 for NF4) in float64, so quantization error is not measured, only the kernels'
-arithmetic. On top of the dense kernels' roundings (tests/test_moe_dispatch.py: SiLU*up, weighted expert
-output, final sum) the 4-bit paths round each dequantized weight once to the activation dtype (the tl.dot
-operand): one more rounding of 2^-8 (bf16, 2^-7 where the interpreter truncates) or 2^-11 (fp16), random in
-sign across the K terms of each dot, so it adds well under one rounding to the relative error of a result.
-Tolerances (relative to the reference's norm; max error 4x that against the max): bf16 2.5e-2 as for the
-dense kernels (three truncations of 2^-7 relative are ~2.4e-2 only when all line up; measured ~4e-3),
-fp16 5e-3 (five roundings of 2^-11 = 2.4e-3, doubled), fp32 1e-5 (fp32 roundings and the tf32x3 dots).
+The references take the dequantized weights exactly (fp32 values of ``(q - zero) * scale`` etc.: exact with 16-bit
+scales, within 2^-24 otherwise) in float64, so quantization error is not measured, only the kernels'
+arithmetic. On top of the dense kernels' roundings (test_moe_dispatch.py: SiLU*up, weighted expert output,
+final sum) the 4-bit paths round each dequantized weight once to the activation dtype (the tl.dot operand;
+int4 in groups of >= 128 columns takes exact integers and scales in fp32 instead): one more rounding of 2^-8
+(bf16, 2^-7 where the interpreter truncates) or 2^-11 (fp16), random in sign across the K terms of each dot,
+so it adds well under one rounding to the relative error of a result. Tolerances (relative to the
+reference's norm; max error 4x that against the max): bf16 2.5e-2 as for the dense kernels (three
+truncations of 2^-7 relative reach ~2.4e-2 only when all line up), fp16 5e-3 (five roundings of 2^-11 =
+2.4e-3, doubled), fp32 1e-5 (fp32 roundings and the tf32x3 dots).
 """
 
 from __future__ import annotations
