@@ -363,8 +363,10 @@ def smollm2_section(results: dict) -> list[str]:
     """examples/smollm2.py on one device: perplexity, speed and memory of each variant."""
     env, text = results["env"], results["text"]
     device = env["gpu"] if env["gpu"] != "cpu" else f"CPU ({env.get('cpu_threads', '?')} threads)"
+    names = [r["variant"] for r in results["rows"]]
+    variants = ", ".join(names) if len(names) <= 3 else f"{len(names)} variants"
     lines = [
-        f"## End to end: SmolLM2-135M-Instruct on {device}",
+        f"## End to end: SmolLM2-135M-Instruct on {device} ({variants})",
         "",
         f"`examples/smollm2.py`: {results['model']['package']} ({results['model']['gguf_file']}, so the "
         "'unquantized' baseline is the GGUF's weights dequantized to "
@@ -520,7 +522,8 @@ def report_main(argv: list[str] | None = None) -> int:
         sections += decode_section(decode, e2e_goals["decode (e2e)"], f"benchmarks/{decode_png.name}")
     for smollm2_file in sorted(DOCS.glob("e2e-smollm2-*results.json")):
         smollm2 = load(smollm2_file)
-        e2e_goals[f"SmolLM2 (e2e, {smollm2['env']['gpu']})"] = smollm2_goals(smollm2)
+        run = smollm2_file.name.removeprefix("e2e-smollm2-").removesuffix("-results.json")  # "cpu", "gguf-cpu"
+        e2e_goals[f"SmolLM2 (e2e, {run})"] = smollm2_goals(smollm2)
         sections += smollm2_section(smollm2)
     gemma3_file = DOCS / "e2e-gemma3-cpu-results.json"
     if gemma3_file.exists():

@@ -382,9 +382,10 @@ def load_gguf(model: nn.Module, path, *, dtype: torch.dtype = torch.float16, fus
     each GGUF tensor type gave ({"Q4_K": 150, "Q6_K (left dequantized)": 30, ...}).
 
     `model` is the transformers model of that file, loaded (``AutoModelForCausalLM.from_pretrained(folder,
-    gguf_file=...)``, any dtype). Tensor names and row orders come from transformers' own GGUF loader (its name
-    map and tensor processor: Llama's q / k rows, for one, are permuted back), and every imported weight is
-    checked against the model's dequantized one, so a mismatch is refused, never loaded. With `fuse`, q / k / v
+    gguf_file=...)``, any dtype). Tensor names come from gguf's name map of the file's architecture and row orders
+    from transformers' tensor processor for it, as transformers' GGUF loader uses them (Llama's q / k rows, for
+    one, are permuted back), and every imported weight is checked against the model's dequantized one, so a
+    mismatch is refused, never loaded. With `fuse`, q / k / v
     and gate / up then run as one matmul each (`fuse_projections`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -399,25 +400,35 @@ def load_gguf(model: nn.Module, path, *, dtype: torch.dtype = torch.float16, fus
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     try:
         import numpy as np
-        from gguf import GGUFReader
-        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                              get_gguf_hf_weights_map, load_gguf_checkpoint,
-                                                              read_field)
+        from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
     except ImportError as exc:
-        raise ImportError("w4a16.load_gguf reads GGUF files with gguf and transformers' GGUF loader: "
+        raise ImportError("w4a16.load_gguf reads GGUF files with gguf and transformers' GGUF tensor processors: "
                           "pip install gguf transformers") from exc
-    parsed = load_gguf_checkpoint(path, return_tensors=False)
     reader = GGUFReader(path)
     architecture = read_field(reader, "general.architecture")[0]
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
-    names = get_gguf_hf_weights_map(model, processor)
-    modules = dict(model.named_modules())
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        raise ValueError(f"{path}: the installed gguf package does not know the architecture {architecture!r}")
+    config = model.config.to_dict() if hasattr(model, "config") else {}
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
+    # GGUF tensor name -> the model's linear layer, by gguf's own name map of the file's architecture (what
+    # transformers' get_gguf_hf_weights_map builds, once instead of once per submodule)
+    name_map = get_tensor_name_map(arch, config.get("num_hidden_layers", 0))
+    modules = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            parts = processor.preprocess_name(name).split(".")
+            gguf_name = next((found for i in range(len(parts))
+                              if (found := name_map.get_name(".".join(parts[i:]))) is not None), None)
+            if gguf_name is not None:
+                modules[f"{gguf_name}.weight"] = (name, module)
+    names = {gguf_name: f"{name}.weight" for gguf_name, (name, _) in modules.items()}
     counts: dict[str, int] = {}
     for tensor in reader.tensors:
-        module_name = names.get(tensor.name, "").removesuffix(".weight")
-        linear = modules.get(module_name) if tensor.name.endswith(".weight") else None
-        if not isinstance(linear, nn.Linear):
+        if tensor.name not in modules:
             continue
+        module_name, linear = modules[tensor.name]
         kind = tensor.tensor_type.name
         if kind not in GGUF_BLOCKS:
             counts[f"{kind} (left dequantized)"] = counts.get(f"{kind} (left dequantized)", 0) + 1
@@ -431,8 +442,7 @@ def load_gguf(model: nn.Module, path, *, dtype: torch.dtype = torch.float16, fus
                              f"(out, in), the model's nn.Linear {(n, k)}")
         # The processor's row order, read off by running it on the row indices (it permutes rows, or nothing).
         rows = processor.process(weights=np.arange(n, dtype=np.float64)[:, None], name=tensor.name,
-                                 tensor_key_mapping=names, parsed_parameters={"config": parsed["config"],
-                                                                              "tensors": {}}).weights
+                                 tensor_key_mapping=names, parsed_parameters={"config": config, "tensors": {}}).weights
         order = torch.from_numpy(np.asarray(rows, dtype=np.float64).reshape(-1)).long()
         if order.numel() != n or not torch.equal(order.sort().values, torch.arange(n)):
             raise ValueError(f"{module_name}: transformers' GGUF processor for {architecture!r} changes "
