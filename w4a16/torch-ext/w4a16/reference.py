@@ -12,19 +12,24 @@ from .formats import GATE_UP_BLOCK, unpack
 def dequantize_stored(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                       mins: Optional[torch.Tensor], codebook: Optional[torch.Tensor], n: int, k: int,
                       group_size: int) -> torch.Tensor:
-    """fp32 ``[n, k]`` weight with its K-columns in stored order (act-order weights stay permuted)."""
-    codes = unpack(qweight, (n, k)).long()
-    group_of_col = torch.arange(k, device=qweight.device) // (k if group_size == -1 else group_size)
-    scale = scales[:, :n].float()[group_of_col].t()
+    """fp32 ``[n, k]`` weight with its K-columns in stored order (act-order weights stay permuted). The group
+    parameters broadcast over a ``[n, groups, group_size]`` view of the codes (no per-column gather)."""
+    width = k if group_size == -1 else group_size
+    groups = k // width
+    codes = unpack(qweight, (n, k)).view(n, groups, width)
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # [G, Np] -> fp32 [n, groups, 1]
+        return t[:groups, :n].t().unsqueeze(-1).float()
+
     if codebook is not None:
-        values = codebook.float()[codes]
+        values = codebook.float()[codes.long()]
     elif zeros is not None:
-        values = codes - zeros[:, :n].long()[group_of_col].t()
+        values = codes.float() - per_group(zeros)
     elif mins is not None:
-        return codes * scale + mins[:, :n].float()[group_of_col].t()
+        return (codes.float() * per_group(scales) + per_group(mins)).view(n, k)
     else:
-        values = codes - 8
-    return values * scale
+        values = codes.float() - 8
+    return (values * per_group(scales)).view(n, k)
 
 
 def dequantize(qweight, scales, zeros, mins, codebook, perm, n, k, group_size, dtype) -> torch.Tensor:
