@@ -366,7 +366,7 @@ def smollm2_section(results: dict) -> list[str]:
     names = [r["variant"] for r in results["rows"]]
     variants = ", ".join(names) if len(names) <= 3 else f"{len(names)} variants"
     lines = [
-        f"## End to end: SmolLM2-135M-Instruct on {device} ({variants})",
+        f"## End to end: SmolLM2-135M-Instruct on {device}: {variants}",
         "",
         f"`examples/smollm2.py`: {results['model']['package']} ({results['model']['gguf_file']}, so the "
         "'unquantized' baseline is the GGUF's weights dequantized to "
