@@ -273,6 +273,8 @@ def _(k, rank, world, tmp):
 
 def _child(rank: int, world: int, built: str, tmp: str) -> None:
     os.environ["TRITON_INTERPRET"] = "0"  # the PyTorch path (read at call time)
+    # gloo on CPU tensors also on a GPU host, where transformers' from_pretrained would place the model on the GPU
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=60))

@@ -181,9 +181,14 @@ def quantized_reference(k, x, q_gate_up, q_down, weights, ids):
     return experts_float64(x, dequantized64(k, q_gate_up), dequantized64(k, q_down), weights, ids)
 
 
-# T <= 16: the decode kernels; larger T: sort + grouped kernels (both with the dequantization in the K loop)
+# T <= 4: the GEMV kernels; T <= 16: the decode kernels; larger T: sort + grouped kernels (all with the
+# dequantization in the K loop)
 CASES = [
     # (format, T, E, top_k, routing kind, dtype)
+    ("int4-zp-g64", 2, 6, 3, "empty", torch.float16),
+    ("int4-zp-channel", 4, 4, 2, "balanced", torch.bfloat16),
+    ("int4-sym-g32", 4, 4, 2, "skewed", torch.bfloat16),
+    ("int4-sym-g256", 12, 3, 2, "balanced", torch.float16),
     ("int4-sym-g32", 1, 4, 2, "balanced", torch.bfloat16),
     ("int4-sym-g32", 20, 4, 2, "skewed", torch.bfloat16),
     ("int4-zp-g64", 5, 6, 3, "empty", torch.float16),

@@ -1,5 +1,5 @@
 """moe-dispatch with 4-bit experts on a CUDA GPU (skipped without one): the compiled kernels at model-like sizes
-against float64, torch.compile(fullgraph=True), CUDA graphs. Not yet run: written on a machine without a GPU.
+against float64, torch.compile(fullgraph=True), CUDA graphs.
 
 References take the dequantized weights exactly, in float64. Tolerance (relative, norm): the dense kernels'
 three bf16 roundings (SiLU*up, weighted output, final sum, 2^-9 each) plus the rounding of each dequantized
@@ -62,9 +62,10 @@ def rel_error(out, ref):
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
-@pytest.mark.parametrize("T,skewed", [(1, False), (5, False), (16, True), (300, False), (1200, True)])
+@pytest.mark.parametrize("T,skewed", [(1, False), (4, True), (5, False), (16, True), (300, False), (1200, True)])
 def test_fused_experts_4bit(k, name, T, skewed):
-    """E=16, H=2048, I=768 (Qwen3-30B-A3B's expert size), top-8; decode (T <= 16) and grouped kernels."""
+    """E=16, H=2048, I=768 (Qwen3-30B-A3B's expert size), top-8; GEMV (T <= 4), decode (T <= 16) and grouped
+    kernels."""
     E, H, I, top_k = 16, 2048, 768, 8
     q_gate_up, q_down = layer(k, E, H, I, name)
     x = torch.randn(T, H, device="cuda").bfloat16()

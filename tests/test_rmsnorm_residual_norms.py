@@ -127,7 +127,7 @@ def test_fused_model_gives_the_stock_logits(k, torch_path, taken, arch):
     layers = stock.config.num_hidden_layers
     assert taken == [True] * layers
     assert all(h.source is None and h.normed is None for h in _handoffs(fused))  # nothing held past the forward
-    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)  # no stop at a random EOS
     with torch.no_grad():
         want = stock.generate(tokens[:1, :6], **settings)
         got = fused.generate(tokens[:1, :6], **settings)

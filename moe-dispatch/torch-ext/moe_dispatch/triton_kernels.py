@@ -647,6 +647,151 @@ def _down_decode_kernel(
                      (acc * w_j[:, None]).to(pair_out_ptr.dtype.element_ty), mask=picked_j[:, None] & n_ok[None, :])
 
 
+# 4-bit decode GEMVs (T <= GEMV_MAX_TOKENS): one program per (token, slot) pair and block of output rows, no
+# tensor cores. At a few tokens a tl.dot pads them to 16 rows and needs the dequantized tile in the MMA's operand
+# layout (a shared-memory round trip per K-tile); here each weight costs a shift, a LOP3 (mask | 2**23 bits), an
+# FADD (- 2**23 - zero) and an FFMA with x, and the K loop keeps a [BLOCK_N, TILES, 16] tile of words in flight.
+# Pairs of one expert each stream its weights (from L2 after the first): worth it only while pairs are few.
+GEMV_MAX_TOKENS = 4
+
+
+@triton.jit
+def _gemv_x_plane(x_row, tile, col, K, J: tl.constexpr):
+    """x at K-columns 128 tile + 16 J + c as fp32 [1, TILES, 16] (zero past K), broadcast over the rows."""
+    k = tile[None, :, None] * 128 + J * 16 + col[None, None, :]
+    return tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gemv_chunk(w, x_row, tile, live, col, rows, n_ok, K, s_base, z_base, m_base, cb_ptr, stride_sg,
+                NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr):
+    """sum over the 8 nibble planes of [BLOCK_N, TILES, 16] words `w` times x, per word (reduced by the caller):
+    each scale group's planes summed unscaled, then scaled (and its minimum times the group's x sum added).
+    Per channel (GROUP -1) the scale and zero are the caller's, applied after the K loop."""
+    PLANES: tl.constexpr = 8 if (GROUP == -1 or GROUP >= 128) else GROUP // 16
+    part = tl.zeros(w.shape, dtype=tl.float32)
+    for g in tl.static_range(8 // PLANES):
+        if GROUP == -1:
+            offs = rows[:, None, None]
+        elif GROUP >= 128:
+            offs = (tile // (GROUP // 128))[None, :, None].to(tl.int64) * stride_sg + rows[:, None, None]
+        else:
+            offs = (tile * (128 // GROUP) + g)[None, :, None].to(tl.int64) * stride_sg + rows[:, None, None]
+        ok = n_ok[:, None, None] & live[None, :, None]
+        if NF4 or HAS_MIN:
+            bias = _MAGIC
+        elif HAS_ZERO and GROUP != -1:
+            bias = _MAGIC + tl.load(z_base + offs, mask=ok, other=0).to(tl.float32)
+        elif HAS_ZERO:
+            bias = _MAGIC  # per channel: the caller subtracts zero * sum(x)
+        else:
+            bias = _MAGIC + 8.0
+        sub = tl.zeros(w.shape, dtype=tl.float32)
+        x_sum = tl.zeros([1, tile.shape[0], 16], dtype=tl.float32)
+        for jj in tl.static_range(PLANES):
+            J: tl.constexpr = g * PLANES + jj
+            x = _gemv_x_plane(x_row, tile, col, K, J)
+            code = (w >> (4 * J)) & 0xF
+            if NF4:
+                v = tl.load(cb_ptr + code)
+            else:
+                v = (code | _MAGIC_BITS).to(tl.float32, bitcast=True) - bias
+            sub += v * x
+            if HAS_MIN:
+                x_sum += x
+        if GROUP == -1:
+            part += sub
+        else:
+            sub = sub * tl.load(s_base + offs, mask=ok, other=0.0).to(tl.float32)
+            if HAS_MIN:  # min * (sum of the group's x), spread over the words: each word adds its own columns'
+                sub += tl.load(m_base + offs, mask=ok, other=0.0).to(tl.float32) * x_sum
+            part += sub
+    return part
+
+
+@triton.jit
+def _gemv_rows(x_row, q_base, s_base, z_base, m_base, cb_ptr, rows, rows_b, n_ok, K, stride_qn, stride_sg,
+               BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
+               NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr):
+    """fp32 [BLOCK_N] dot products of x_row with weight rows `rows` over all of K; TWO: also rows `rows_b` (the up
+    rows of a gate/up pair, in the same loop so that both tiles are in flight together)."""
+    num_tiles = tl.cdiv(K, 128)
+    tile_ar = tl.arange(0, TILES)
+    col = tl.arange(0, _WORDS)
+    acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+    w_ptrs = q_base + rows[:, None, None] * stride_qn + col[None, None, :]
+    w_ptrs_b = q_base + rows_b[:, None, None] * stride_qn + col[None, None, :]
+    for it in tl.range(0, num_tiles, TILES, num_stages=STAGES):
+        tile = it + tile_ar
+        live = tile < num_tiles
+        mask = n_ok[:, None, None] & live[None, :, None]
+        offs = tile[None, :, None] * _WORDS
+        w = tl.load(w_ptrs + offs, mask=mask, other=0, eviction_policy="evict_first")
+        if TWO:
+            w_b = tl.load(w_ptrs_b + offs, mask=mask, other=0, eviction_policy="evict_first")
+        acc += _gemv_chunk(w, x_row, tile, live, col, rows, n_ok, K, s_base, z_base, m_base, cb_ptr, stride_sg,
+                           NF4, HAS_ZERO, HAS_MIN, GROUP)
+        if TWO:
+            acc_b += _gemv_chunk(w_b, x_row, tile, live, col, rows_b, n_ok, K, s_base, z_base, m_base, cb_ptr,
+                                 stride_sg, NF4, HAS_ZERO, HAS_MIN, GROUP)
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    out_b = tl.sum(tl.sum(acc_b, axis=2), axis=1)
+    if GROUP == -1:  # per channel: (sum code x - zero sum x) * scale, from the parameters of each row
+        if HAS_ZERO:
+            x_total = 0.0
+            for it in range(0, num_tiles):
+                x_total += tl.sum(tl.load(x_row + it * 128 + tl.arange(0, 128), mask=it * 128 + tl.arange(0, 128) < K,
+                                          other=0.0).to(tl.float32), axis=0)
+            out -= tl.load(z_base + rows, mask=n_ok, other=0).to(tl.float32) * x_total
+            out_b -= tl.load(z_base + rows_b, mask=n_ok, other=0).to(tl.float32) * x_total
+        out *= tl.load(s_base + rows, mask=n_ok, other=0.0).to(tl.float32)
+        out_b *= tl.load(s_base + rows_b, mask=n_ok, other=0.0).to(tl.float32)
+    return out, out_b
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gate_up_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, inter_ptr, ids_ptr,
+    T, H, I, num_experts, stride_xt, stride_we, stride_wn, stride_se, stride_sg, stride_it,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+):
+    """inter[p, n] = silu(gate) * up of pair p's token through its expert, for a block of n (4-bit experts)."""
+    p = tl.program_id(0)
+    e = tl.load(ids_ptr + p)
+    if (e >= 0) & (e < num_experts):  # other ids select nothing; the combine skips their pairs
+        q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, e, stride_we, stride_se)
+        rows = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        n_ok = rows < I
+        x_row = x_ptr + (p // TOP_K).to(tl.int64) * stride_xt
+        gate, up = _gemv_rows(x_row, q_base, s_base, z_base, m_base, cb_ptr, rows, rows + I, n_ok, H, stride_wn,
+                              stride_sg, BLOCK_N, TILES, STAGES, True, NF4, HAS_ZERO, HAS_MIN, GROUP)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(inter_ptr + p.to(tl.int64) * stride_it + rows, act.to(inter_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _down_gemv_kernel(
+    inter_ptr, w_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, pair_out_ptr, ids_ptr, topk_w_ptr,
+    T, H, I, num_experts, stride_it, stride_we, stride_wn, stride_se, stride_sg, stride_pt,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+):
+    """pair_out[p, n] = topk_weight[p] * (down projection of inter[p]), for a block of n (4-bit experts)."""
+    p = tl.program_id(0)
+    e = tl.load(ids_ptr + p)
+    if (e >= 0) & (e < num_experts):
+        q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, e, stride_we, stride_se)
+        rows = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        n_ok = rows < H
+        acc, _ = _gemv_rows(inter_ptr + p.to(tl.int64) * stride_it, q_base, s_base, z_base, m_base, cb_ptr, rows,
+                            rows, n_ok, I, stride_wn, stride_sg, BLOCK_N, TILES, STAGES, False, NF4, HAS_ZERO,
+                            HAS_MIN, GROUP)
+        acc *= tl.load(topk_w_ptr + p).to(tl.float32)
+        tl.store(pair_out_ptr + p.to(tl.int64) * stride_pt + rows, acc.to(pair_out_ptr.dtype.element_ty), mask=n_ok)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Configs
 # ----------------------------------------------------------------------------------------------------
@@ -703,6 +848,17 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
                    device: torch.device, quantized: bool = False) -> dict:
     """Heuristic block sizes when no tuned config exists for the shape (`quantized`: 4-bit experts, whose
     BLOCK_K is the packed tile; `_for_weights`)."""
+    if quantized and tokens <= GEMV_MAX_TOKENS:
+        # rows per program: enough programs for several per SM (pairs x row blocks), each with a few KB in flight;
+        # not yet tuned on a GPU
+        pairs = tokens * top_k
+        sms = _sm_count(device)
+
+        def gemv(rows: int) -> dict:
+            block_n = next((n for n in (32, 16) if pairs * triton.cdiv(rows, n) >= 8 * sms), 8)
+            return {"BLOCK_N": block_n, "BLOCK_K": 128, "TILES": 4, "num_warps": 4, "num_stages": 2}
+
+        return {"gate_up": gemv(intermediate), "down": gemv(hidden)}
     if quantized:
         config = _for_weights(default_config(tokens, num_experts, hidden, intermediate, top_k, device), True)
         if "BLOCK_M" in config:
@@ -855,6 +1011,11 @@ def _weight_args(w) -> tuple[tuple, tuple, dict]:
         and (w.group_size == -1 or w.group_size >= 128))
 
 
+def _gemv_format(fmt: dict) -> dict:
+    """The format constexprs the GEMV kernels take (they scale per group themselves: no SCALE_ON_ACC)."""
+    return {key: fmt[key] for key in ("NF4", "HAS_ZERO", "HAS_MIN", "GROUP")}
+
+
 def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
             topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, *,
             shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
@@ -891,7 +1052,21 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
     device = hidden_states.device
     pair_out = torch.empty(num_pairs, H, dtype=hidden_states.dtype, device=device)
     with _device_guard(hidden_states):
-        if T <= DECODE_MAX_TOKENS:
+        if quant and T <= GEMV_MAX_TOKENS:
+            inter = torch.empty(num_pairs, intermediate, dtype=hidden_states.dtype, device=device)
+            _gate_up_gemv_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
+                hidden_states, _words(w_gate_up), *gu_ptrs, inter, topk_ids,
+                T, H, intermediate, num_routed, hidden_states.stride(0), *gu_strides, inter.stride(0),
+                TOP_K=top_k, BLOCK_N=up["BLOCK_N"], TILES=up["TILES"], STAGES=up["num_stages"],
+                num_warps=up["num_warps"], **_gemv_format(gu_format),
+            )
+            _down_gemv_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]))](
+                inter, _words(w_down), *dn_ptrs, pair_out, topk_ids, topk_weights,
+                T, H, intermediate, num_routed, inter.stride(0), *dn_strides, pair_out.stride(0),
+                BLOCK_N=down["BLOCK_N"], TILES=down["TILES"], STAGES=down["num_stages"],
+                num_warps=down["num_warps"], **_gemv_format(dn_format),
+            )
+        elif T <= DECODE_MAX_TOKENS:
             common.update(TOP_K=top_k, BLOCK_T=16, BLOCK_P=triton.next_power_of_2(num_pairs),
                           K_POW2=triton.next_power_of_2(top_k))
             inter = torch.empty(num_pairs, intermediate, dtype=hidden_states.dtype, device=device)
