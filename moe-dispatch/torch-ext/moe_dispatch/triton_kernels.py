@@ -689,9 +689,8 @@ def _gemv_chunk(w, x_row, tile, live, col, rows, n_ok, K, s_base, z_base, m_base
         sub = tl.zeros(w.shape, dtype=tl.float32)
         x_sum = tl.zeros([1, tile.shape[0], 16], dtype=tl.float32)
         for jj in tl.static_range(PLANES):
-            J: tl.constexpr = g * PLANES + jj
-            x = _gemv_x_plane(x_row, tile, col, K, J)
-            code = (w >> (4 * J)) & 0xF
+            x = _gemv_x_plane(x_row, tile, col, K, g * PLANES + jj)
+            code = (w >> (4 * (g * PLANES + jj))) & 0xF
             if NF4:
                 v = tl.load(cb_ptr + code)
             else:
