@@ -848,16 +848,11 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
     """Heuristic block sizes when no tuned config exists for the shape (`quantized`: 4-bit experts, whose
     BLOCK_K is the packed tile; `_for_weights`)."""
     if quantized and tokens <= GEMV_MAX_TOKENS:
-        # rows per program: enough programs for several per SM (pairs x row blocks), each with a few KB in flight;
-        # not yet tuned on a GPU
-        pairs = tokens * top_k
-        sms = _sm_count(device)
-
-        def gemv(rows: int) -> dict:
-            block_n = next((n for n in (32, 16) if pairs * triton.cdiv(rows, n) >= 8 * sms), 8)
-            return {"BLOCK_N": block_n, "BLOCK_K": 128, "TILES": 4, "num_warps": 4, "num_stages": 2}
-
-        return {"gate_up": gemv(intermediate), "down": gemv(hidden)}
+        # The best of a sweep on the H200 (BLOCK_N 8-32, TILES 2-4, 1 or 3 stages; Mixtral, DeepSeek-V3, Qwen3-30B
+        # at T=1, docs/design/moe-dispatch.md): every config within ~6 % of these, so the kernels are bound by
+        # their instructions, not by the block sizes
+        return {"gate_up": {"BLOCK_N": 8, "BLOCK_K": 128, "TILES": 4, "num_warps": 4, "num_stages": 1},
+                "down": {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 4, "num_warps": 4, "num_stages": 1}}
     if quantized:
         config = _for_weights(default_config(tokens, num_experts, hidden, intermediate, top_k, device), True)
         if "BLOCK_M" in config:
