@@ -16,7 +16,8 @@ Launches for a whole layer (`moe_forward`), none of them sized by device data (n
 4-bit experts (`QuantizedExperts`, quantized.py) run the same launches: the four expert kernels take
 QUANT=True and the format as constexprs (NF4, HAS_ZERO, HAS_MIN, GROUP); their K loops then step one packed
 tile (128 columns, 16 words per row) at a time and dequantize it in registers (`_dequant_tile`) into the
-operand of the same tl.dot. No shared expert rides along with them (the op adds a dense one after).
+operand of the same tl.dot. At T <= GEMV_MAX_TOKENS `_gate_up_gemv_kernel` / `_down_gemv_kernel` replace the
+two decode kernels (no tensor cores). No shared expert rides along with them (the op adds a dense one after).
 
 Buffers are sized by upper bounds known from shapes: the padded pair count is at most
 (T*k // BLOCK_M + min(E, T*k)) * BLOCK_M <= T*k + E*(BLOCK_M-1). A shared expert of the routed experts'
@@ -649,26 +650,71 @@ def _down_decode_kernel(
 
 # 4-bit decode GEMVs (T <= GEMV_MAX_TOKENS): one program per (token, slot) pair and block of output rows, no
 # tensor cores. At a few tokens a tl.dot pads them to 16 rows and needs the dequantized tile in the MMA's operand
-# layout (a shared-memory round trip per K-tile); here each weight costs a shift, a LOP3 (mask | 2**23 bits), an
-# FADD (- 2**23 - zero) and an FFMA with x, and the K loop keeps a [BLOCK_N, TILES, 16] tile of words in flight.
+# layout (a shared-memory round trip per K-tile); here the K loop keeps a [BLOCK_N, TILES, 16] tile of words in
+# flight and each int4 weight costs a LOP3, an FADD and an FFMA (`_int4_plane`): 4.7 (down) and 5.3 (gate/up)
+# instructions per weight in the K loop's SASS for int4 g128 (sm_90).
 # Pairs of one expert each stream its weights (from L2 after the first): worth it only while pairs are few.
 GEMV_MAX_TOKENS = 4
 
 
 @triton.jit
-def _gemv_x_plane(x_row, tile, col, K, J: tl.constexpr):
-    """x at K-columns 128 tile + 16 J + c as fp32 [1, TILES, 16] (zero past K), broadcast over the rows."""
+def _gemv_x_plane(x_row, tile, col, K, J: tl.constexpr, EVEN_K: tl.constexpr):
+    """x at K-columns 128 tile + 16 J + c as fp32 [1, TILES, 16] (zero past K), broadcast over the rows.
+    EVEN_K: every column of every loop step is below K (K a multiple of 128 TILES), no mask."""
     k = tile[None, :, None] * 128 + J * 16 + col[None, None, :]
+    if EVEN_K:
+        return tl.load(x_row + k).to(tl.float32)
     return tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+
+
+# (word & (0xF << 4 j)) | 2**23 bits: LOP3 with truth table 0xEA = (a & b) | c
+_LOP3_NIBBLE_0 = tl.constexpr("lop3.b32 $0, $1, 0x000F, 0x4B000000, 0xEA;")
+_LOP3_NIBBLE_1 = tl.constexpr("lop3.b32 $0, $1, 0x00F0, 0x4B000000, 0xEA;")
+_LOP3_NIBBLE_2 = tl.constexpr("lop3.b32 $0, $1, 0x0F00, 0x4B000000, 0xEA;")
+_LOP3_NIBBLE_3 = tl.constexpr("lop3.b32 $0, $1, 0xF000, 0x4B000000, 0xEA;")
+
+
+@triton.jit
+def _int4_plane(half, j: tl.constexpr, bias, EMULATE: tl.constexpr):
+    """(code - zero) * 16**j of nibble j (0-3) of each 16-bit half-word: the nibble masked in place under the bits
+    of 2**23 (code * 16**j < 2**23, so the float is exactly 2**23 + code * 16**j), minus `bias` = 2**23 +
+    zero * 16**j. No shift: the caller scales the plane's sum by 16**-j (exact). The mask-and-or is one LOP3 in
+    inline PTX (with two constants LLVM emits two); EMULATE (the interpreter, which cannot run PTX) does the same
+    in Triton operations."""
+    if EMULATE:
+        bits = (half & (0xF << (4 * j))) | _MAGIC_BITS
+    else:
+        if j == 0:
+            asm: tl.constexpr = _LOP3_NIBBLE_0
+        elif j == 1:
+            asm: tl.constexpr = _LOP3_NIBBLE_1
+        elif j == 2:
+            asm: tl.constexpr = _LOP3_NIBBLE_2
+        else:
+            asm: tl.constexpr = _LOP3_NIBBLE_3
+        bits = tl.inline_asm_elementwise(asm, "=r,r", [half], dtype=tl.uint32, is_pure=True, pack=1)
+    return bits.to(tl.float32, bitcast=True) - bias
+
+
+@triton.jit
+def _gemv_plane(words, high, cb_ptr, zero, J: tl.constexpr, NF4: tl.constexpr, EMULATE: tl.constexpr):
+    """Plane J of uint32 words: codebook[code] (NF4), else (code - zero) * 16**(J % 4) (`_int4_plane`)."""
+    if NF4:
+        return tl.load(cb_ptr + ((words >> (4 * J)) & 0xF))
+    return _int4_plane(high if J >= 4 else words, J % 4, _MAGIC + zero * (16 ** (J % 4)), EMULATE)
 
 
 @triton.jit
 def _gemv_chunk(w, x_row, tile, live, col, rows, n_ok, K, s_base, z_base, m_base, cb_ptr, stride_sg,
-                NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr):
+                NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+                EVEN_K: tl.constexpr, EMULATE: tl.constexpr):
     """sum over the 8 nibble planes of [BLOCK_N, TILES, 16] words `w` times x, per word (reduced by the caller):
     each scale group's planes summed unscaled, then scaled (and its minimum times the group's x sum added).
-    Per channel (GROUP -1) the scale and zero are the caller's, applied after the K loop."""
+    Plane J is nibble J % 4 of the word's low (J < 4) or high half; planes with the same J % 4 share one sum,
+    scaled by 16**-(J % 4) once. Per channel (GROUP -1) the scale and zero are the caller's, after the K loop."""
     PLANES: tl.constexpr = 8 if (GROUP == -1 or GROUP >= 128) else GROUP // 16
+    words = w.to(tl.uint32, bitcast=True)
+    high = words >> 16
     part = tl.zeros(w.shape, dtype=tl.float32)
     for g in tl.static_range(8 // PLANES):
         if GROUP == -1:
@@ -678,26 +724,23 @@ def _gemv_chunk(w, x_row, tile, live, col, rows, n_ok, K, s_base, z_base, m_base
         else:
             offs = (tile * (128 // GROUP) + g)[None, :, None].to(tl.int64) * stride_sg + rows[:, None, None]
         ok = n_ok[:, None, None] & live[None, :, None]
-        if NF4 or HAS_MIN:
-            bias = _MAGIC
-        elif HAS_ZERO and GROUP != -1:
-            bias = _MAGIC + tl.load(z_base + offs, mask=ok, other=0).to(tl.float32)
+        if NF4 or HAS_MIN or (HAS_ZERO and GROUP == -1):
+            zero = 0.0  # NF4 looks codes up; minima add min * sum(x); per-channel zeros: the caller
         elif HAS_ZERO:
-            bias = _MAGIC  # per channel: the caller subtracts zero * sum(x)
+            zero = tl.load(z_base + offs, mask=ok, other=0).to(tl.float32)
         else:
-            bias = _MAGIC + 8.0
+            zero = 8.0
         sub = tl.zeros(w.shape, dtype=tl.float32)
         x_sum = tl.zeros([1, tile.shape[0], 16], dtype=tl.float32)
-        for jj in tl.static_range(PLANES):
-            x = _gemv_x_plane(x_row, tile, col, K, g * PLANES + jj)
-            code = (w >> (4 * (g * PLANES + jj))) & 0xF
-            if NF4:
-                v = tl.load(cb_ptr + code)
-            else:
-                v = (code | _MAGIC_BITS).to(tl.float32, bitcast=True) - bias
-            sub += v * x
-            if HAS_MIN:
-                x_sum += x
+        for jj in tl.static_range(PLANES if PLANES < 4 else 4):  # the distinct J % 4 of the group
+            same = tl.zeros(w.shape, dtype=tl.float32)
+            for hh in tl.static_range(2 if PLANES == 8 else 1):  # both halves when the group spans the word
+                # plane J = g * PLANES + 4 hh + jj (g is 0 when PLANES is 8, hh is 0 otherwise)
+                x = _gemv_x_plane(x_row, tile, col, K, g * PLANES + 4 * hh + jj, EVEN_K)
+                same += _gemv_plane(words, high, cb_ptr, zero, g * PLANES + 4 * hh + jj, NF4, EMULATE) * x
+                if HAS_MIN:
+                    x_sum += x
+            sub += same if NF4 else same * (0.0625 ** ((g * PLANES + jj) % 4))
         if GROUP == -1:
             part += sub
         else:
@@ -711,7 +754,8 @@ def _gemv_chunk(w, x_row, tile, live, col, rows, n_ok, K, s_base, z_base, m_base
 @triton.jit
 def _gemv_rows(x_row, q_base, s_base, z_base, m_base, cb_ptr, rows, rows_b, n_ok, K, stride_qn, stride_sg,
                BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
-               NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr):
+               NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+               EVEN_K: tl.constexpr, EMULATE: tl.constexpr):
     """fp32 [BLOCK_N] dot products of x_row with weight rows `rows` over all of K; TWO: also rows `rows_b` (the up
     rows of a gate/up pair, in the same loop so that both tiles are in flight together)."""
     num_tiles = tl.cdiv(K, 128)
@@ -730,10 +774,10 @@ def _gemv_rows(x_row, q_base, s_base, z_base, m_base, cb_ptr, rows, rows_b, n_ok
         if TWO:
             w_b = tl.load(w_ptrs_b + offs, mask=mask, other=0, eviction_policy="evict_first")
         acc += _gemv_chunk(w, x_row, tile, live, col, rows, n_ok, K, s_base, z_base, m_base, cb_ptr, stride_sg,
-                           NF4, HAS_ZERO, HAS_MIN, GROUP)
+                           NF4, HAS_ZERO, HAS_MIN, GROUP, EVEN_K, EMULATE)
         if TWO:
             acc_b += _gemv_chunk(w_b, x_row, tile, live, col, rows_b, n_ok, K, s_base, z_base, m_base, cb_ptr,
-                                 stride_sg, NF4, HAS_ZERO, HAS_MIN, GROUP)
+                                 stride_sg, NF4, HAS_ZERO, HAS_MIN, GROUP, EVEN_K, EMULATE)
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
     out_b = tl.sum(tl.sum(acc_b, axis=2), axis=1)
     if GROUP == -1:  # per channel: (sum code x - zero sum x) * scale, from the parameters of each row
@@ -754,7 +798,8 @@ def _gate_up_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, inter_ptr, ids_ptr,
     T, H, I, num_experts, stride_xt, stride_we, stride_wn, stride_se, stride_sg, stride_it,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
-    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """inter[p, n] = silu(gate) * up of pair p's token through its expert, for a block of n (4-bit experts)."""
     p = tl.program_id(0)
@@ -765,7 +810,8 @@ def _gate_up_gemv_kernel(
         n_ok = rows < I
         x_row = x_ptr + (p // TOP_K).to(tl.int64) * stride_xt
         gate, up = _gemv_rows(x_row, q_base, s_base, z_base, m_base, cb_ptr, rows, rows + I, n_ok, H, stride_wn,
-                              stride_sg, BLOCK_N, TILES, STAGES, True, NF4, HAS_ZERO, HAS_MIN, GROUP)
+                              stride_sg, BLOCK_N, TILES, STAGES, True, NF4, HAS_ZERO, HAS_MIN, GROUP, EVEN_K,
+                              EMULATE)
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(inter_ptr + p.to(tl.int64) * stride_it + rows, act.to(inter_ptr.dtype.element_ty), mask=n_ok)
 
@@ -775,7 +821,8 @@ def _down_gemv_kernel(
     inter_ptr, w_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, pair_out_ptr, ids_ptr, topk_w_ptr,
     T, H, I, num_experts, stride_it, stride_we, stride_wn, stride_se, stride_sg, stride_pt,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
-    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
+    NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """pair_out[p, n] = topk_weight[p] * (down projection of inter[p]), for a block of n (4-bit experts)."""
     p = tl.program_id(0)
@@ -786,7 +833,7 @@ def _down_gemv_kernel(
         n_ok = rows < H
         acc, _ = _gemv_rows(inter_ptr + p.to(tl.int64) * stride_it, q_base, s_base, z_base, m_base, cb_ptr, rows,
                             rows, n_ok, I, stride_wn, stride_sg, BLOCK_N, TILES, STAGES, False, NF4, HAS_ZERO,
-                            HAS_MIN, GROUP)
+                            HAS_MIN, GROUP, EVEN_K, EMULATE)
         acc *= tl.load(topk_w_ptr + p).to(tl.float32)
         tl.store(pair_out_ptr + p.to(tl.int64) * stride_pt + rows, acc.to(pair_out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -1007,7 +1054,8 @@ def _weight_args(w) -> tuple[tuple, tuple, dict]:
 
 def _gemv_format(fmt: dict) -> dict:
     """The format constexprs the GEMV kernels take (they scale per group themselves: no SCALE_ON_ACC)."""
-    return {key: fmt[key] for key in ("NF4", "HAS_ZERO", "HAS_MIN", "GROUP")}
+    return {**{key: fmt[key] for key in ("NF4", "HAS_ZERO", "HAS_MIN", "GROUP")},
+            "EMULATE": os.environ.get("TRITON_INTERPRET") == "1"}
 
 
 def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
@@ -1047,18 +1095,21 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
     pair_out = torch.empty(num_pairs, H, dtype=hidden_states.dtype, device=device)
     with _device_guard(hidden_states):
         if quant and T <= GEMV_MAX_TOKENS:
-            inter = torch.empty(num_pairs, intermediate, dtype=hidden_states.dtype, device=device)
+            # fp32 intermediate: the down GEMV's x then needs no conversion per weight (each thread holds one row
+            # of its words, so an x conversion is not shared between rows)
+            inter = torch.empty(num_pairs, intermediate, dtype=torch.float32, device=device)
             _gate_up_gemv_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
                 hidden_states, _words(w_gate_up), *gu_ptrs, inter, topk_ids,
                 T, H, intermediate, num_routed, hidden_states.stride(0), *gu_strides, inter.stride(0),
                 TOP_K=top_k, BLOCK_N=up["BLOCK_N"], TILES=up["TILES"], STAGES=up["num_stages"],
-                num_warps=up["num_warps"], **_gemv_format(gu_format),
+                EVEN_K=H % (128 * up["TILES"]) == 0, num_warps=up["num_warps"], **_gemv_format(gu_format),
             )
             _down_gemv_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]))](
                 inter, _words(w_down), *dn_ptrs, pair_out, topk_ids, topk_weights,
                 T, H, intermediate, num_routed, inter.stride(0), *dn_strides, pair_out.stride(0),
                 BLOCK_N=down["BLOCK_N"], TILES=down["TILES"], STAGES=down["num_stages"],
-                num_warps=down["num_warps"], **_gemv_format(dn_format),
+                EVEN_K=intermediate % (128 * down["TILES"]) == 0, num_warps=down["num_warps"],
+                **_gemv_format(dn_format),
             )
         elif T <= DECODE_MAX_TOKENS:
             common.update(TOP_K=top_k, BLOCK_T=16, BLOCK_P=triton.next_power_of_2(num_pairs),
