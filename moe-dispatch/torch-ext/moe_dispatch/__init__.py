@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from . import layers, ops, parallel, quantized
+from . import checkpoints, layers, ops, parallel, quantized
+from .checkpoints import load_quantized_experts
 from .layers import experts_forward
 from .parallel import ExpertParallel
 from .quantized import NF4_CODEBOOK, QuantizedExperts, dequantize, quantize_experts, quantize_experts_module
 
 __all__ = ["route", "fused_experts", "moe_forward", "experts_forward", "ExpertParallel", "QuantizedExperts",
-           "quantize_experts", "quantize_experts_module", "dequantize", "NF4_CODEBOOK", "layers", "quantized"]
+           "quantize_experts", "quantize_experts_module", "dequantize", "NF4_CODEBOOK", "load_quantized_experts",
+           "layers", "quantized", "checkpoints"]
 
 
 def _is_quantized(w_gate_up, w_down) -> bool:
