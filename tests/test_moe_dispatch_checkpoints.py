@@ -140,3 +140,191 @@ def test_gptqmodel_moe_matches_tool_logits(k, path, monkeypatch, name):
         wrong = run_logits(k, model, torch.tensor(reference["input_ids"]), monkeypatch)
         print(f"experts rolled: relative error {relative_error(wrong, ref):.2e}")
         assert relative_error(wrong, ref) > 10 * TOL
+
+
+# ----------------------------------------------------------------------------------------------------
+# Exactness, other layouts of the same tensors, and what is refused (no forward needed)
+# ----------------------------------------------------------------------------------------------------
+
+MIXTRAL = FIXTURES / "gptqmodel" / "mixtral-gptq-g32-sym"
+QWEN3 = FIXTURES / "gptqmodel" / "qwen3-moe-gptq-g64-asym-actorder-static"
+
+
+def altered(tmp_path: Path, source: Path, tensors=None, quantization=None) -> Path:
+    """A copy of the fixture `source` with `tensors(dict)` / `quantization(dict)` applied in place."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / source.name
+    shutil.copytree(source, folder)
+    if tensors is not None:
+        stored = read_tensors(source)
+        tensors(stored)
+        save_file(stored, folder / "model.safetensors")
+    if quantization is not None:
+        config = json.loads((folder / "config.json").read_text())
+        quantization(config["quantization_config"])
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def experts_of(model) -> list:
+    return [(layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj) for layer in model.model.layers]
+
+
+def assert_same_experts(a, b) -> None:
+    for pair_a, pair_b in zip(a, b, strict=True):
+        for qa, qb in zip(pair_a, pair_b):
+            assert qa.shape == qb.shape and qa.group_size == qb.group_size
+            for name, t in qa.tensors().items():
+                assert torch.equal(t, qb.tensors()[name]), name
+
+
+@pytest.mark.parametrize("folder", [MIXTRAL, QWEN3], ids=["mixtral", "qwen3-moe"])
+def test_experts_are_exact(k, folder):
+    """Every expert dequantizes to exactly the float16 weights of the plain GPTQ formula (no re-rounding):
+    gate_up_proj = [gate_proj; up_proj] rows, down_proj = down_proj."""
+    model = build_model(folder)
+    consumed = k.load_quantized_experts(model, folder)
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    tensors = read_tensors(folder)
+    experts = model.config.num_local_experts if hasattr(model.config, "num_local_experts") else model.config.num_experts
+    assert len(consumed) == model.config.num_hidden_layers * experts * 3 * 4  # qweight, qzeros, scales, g_idx
+    for i, (gate_up, down) in enumerate(experts_of(model)):
+        assert gate_up.scales.dtype == torch.float16 and gate_up.num_experts == experts
+        for e in range(experts):
+            def plain(proj):
+                prefix = f"model.layers.{i}.mlp.experts.{e}.{proj}"
+                return dequantize_gptq({p: tensors[f"{prefix}.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx")},
+                                       qc["sym"], qc["checkpoint_format"])
+
+            assert torch.equal(k.dequantize(gate_up, torch.float16)[e],
+                               torch.cat([plain("gate_proj"), plain("up_proj")]))
+            assert torch.equal(k.dequantize(down, torch.float16)[e], plain("down_proj"))
+
+
+def test_mixtral_legacy_names_and_shards(k, tmp_path):
+    """Mixtral checkpoints of transformers 4 (block_sparse_moe.experts.<e>.w1 / w3 / w2), split over an
+    index of two shards, give the same experts."""
+    from safetensors.torch import save_file
+
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    stored = read_tensors(MIXTRAL)
+    renamed = {}
+    for key, t in stored.items():
+        parts = key.split(".")
+        if ".mlp.experts." in key:
+            parts[3], parts[6] = "block_sparse_moe", names[parts[6]]
+        renamed[".".join(parts)] = t
+    folder = tmp_path / "legacy"
+    folder.mkdir()
+    shutil.copy(MIXTRAL / "config.json", folder)
+    keys = sorted(renamed)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for file, part in shards.items():
+        save_file({key: renamed[key] for key in part}, folder / file)
+    index = {"weight_map": {key: file for file, part in shards.items() for key in part}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    legacy = build_model(MIXTRAL)
+    consumed = k.load_quantized_experts(legacy, folder)
+    assert all(".block_sparse_moe.experts." in name for name in consumed)
+    plain = build_model(MIXTRAL)
+    k.load_quantized_experts(plain, MIXTRAL)
+    assert_same_experts(experts_of(legacy), experts_of(plain))
+
+
+def permute_g_idx(t):
+    g = t["model.layers.0.mlp.experts.1.gate_proj.g_idx"]
+    t["model.layers.0.mlp.experts.1.gate_proj.g_idx"] = g[torch.randperm(g.numel(), generator=torch.Generator().manual_seed(0))]
+
+
+def set_stored_zero_15(t):
+    z = t["model.layers.1.mlp.experts.3.down_proj.qzeros"].clone()
+    z[0, 0] = (z[0, 0] & ~0xF) | 0xF
+    t["model.layers.1.mlp.experts.3.down_proj.qzeros"] = z
+
+
+def group_size_16(t):  # K = 128 in groups of 16: 8 groups of the same parameters
+    prefix = "model.layers.0.mlp.experts.0.gate_proj"
+    for part in ("scales", "qzeros"):
+        t[f"{prefix}.{part}"] = t[f"{prefix}.{part}"].repeat_interleave(8 // t[f"{prefix}.{part}"].shape[0], 0)
+    t[f"{prefix}.g_idx"] = (torch.arange(128) // 16).to(torch.int32)
+
+
+def up_in_groups_of_64(t):  # gate_proj in groups of 32, up_proj in groups of 64
+    prefix = "model.layers.0.mlp.experts.0.up_proj"
+    for part in ("scales", "qzeros"):
+        t[f"{prefix}.{part}"] = t[f"{prefix}.{part}"][::2].contiguous()
+    t[f"{prefix}.g_idx"] = (torch.arange(128) // 64).to(torch.int32)
+
+
+BAD_CHECKPOINTS = [
+    # (id, fixture, tensors edit, quantization_config edit, error pattern)
+    ("act-order", MIXTRAL, permute_g_idx, None, r"experts\.1\.gate_proj\.g_idx is an act-order"),
+    ("3-bit", MIXTRAL, None, lambda qc: qc.update(bits=3), r"quantization_config\.bits = 3"),
+    ("marlin", MIXTRAL, None, lambda qc: qc.update(format="marlin", checkpoint_format="marlin"),
+     r"quantization_config\.(checkpoint_)?format = 'marlin'"),
+    ("awq", MIXTRAL, None, lambda qc: qc.update(quant_method="awq"), r"quant_method = 'awq'"),
+    ("int16-pack", MIXTRAL, None, lambda qc: qc.update(pack_dtype="int16"), r"pack_dtype"),
+    ("8-bit-override", MIXTRAL, None, lambda qc: qc.update(dynamic={r"+:.*experts.*": {"bits": 8}}),
+     r"dynamic\[.*\]\.bits = 8"),
+    ("missing-scales", MIXTRAL, lambda t: t.pop("model.layers.0.mlp.experts.2.up_proj.scales"), None,
+     r"no model\.layers\.0\.mlp\.experts\.2\.up_proj\.scales"),
+    ("sym-with-zero-points", QWEN3, None, lambda qc: qc.update(sym=True),
+     r"experts\.0\.gate_proj\.qzeros: sym=True expects every zero point to be 8"),
+    ("v1-zero-16", QWEN3, set_stored_zero_15, None, r"layers\.1\.mlp\.experts\.3\.down_proj\.qzeros holds a stored 15"),
+    ("group-size-16", MIXTRAL, group_size_16, None, r"experts\.0\.gate_proj\.scales: group size 16"),
+    ("gate-up-groups-differ", MIXTRAL, up_in_groups_of_64, None,
+     r"experts\.0\.up_proj\.scales: group size 64 differs from gate_proj's 32"),
+    ("expert-bias", MIXTRAL, lambda t: t.update({"model.layers.0.mlp.experts.0.down_proj.bias": torch.zeros(128)}),
+     None, r"experts\.0\.down_proj\.bias"),
+    ("extra-expert", MIXTRAL,
+     lambda t: t.update({f"model.layers.0.mlp.experts.4.{p}": t[f"model.layers.0.mlp.experts.3.{p}"].clone()
+                         for p in ("gate_proj.qweight",)}), None, r"experts\.4\.gate_proj\.qweight but the model"),
+    ("scales-int", MIXTRAL,
+     lambda t: t.update({"model.layers.0.mlp.experts.0.down_proj.scales":
+                         t["model.layers.0.mlp.experts.0.down_proj.scales"].to(torch.int32)}), None,
+     r"experts\.0\.down_proj\.scales must be a float tensor"),
+]
+
+
+@pytest.mark.parametrize("name,fixture,tensors,quantization,error", BAD_CHECKPOINTS, ids=[c[0] for c in BAD_CHECKPOINTS])
+def test_refuses(k, tmp_path, name, fixture, tensors, quantization, error):
+    """What the format cannot represent exactly is a ValueError naming the tensor or config field, and the
+    model is left as it was (nothing swapped before every expert converted)."""
+    folder = altered(tmp_path, fixture, tensors, quantization)
+    model = build_model(fixture)
+    with pytest.raises(ValueError, match=error):
+        k.load_quantized_experts(model, folder)
+    assert all(not isinstance(layer.mlp.experts.gate_up_proj, k.QuantizedExperts) for layer in model.model.layers)
+
+
+def test_refuses_models_and_folders_that_do_not_match(k, tmp_path):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(MIXTRAL)
+    del config.quantization_config
+    config.intermediate_size = 256  # another model: the checkpoint's experts are [128, 128]
+    other = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.qweight must have shape \(16, 256\)"):
+        k.load_quantized_experts(other, MIXTRAL)
+    config.intermediate_size, config.num_hidden_layers = 128, 1
+    one_layer = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"model has no experts for: model\.layers\.1\.mlp\.experts"):
+        k.load_quantized_experts(one_layer, MIXTRAL)
+    with pytest.raises(ValueError, match="model: Linear has no experts module"):
+        k.load_quantized_experts(torch.nn.Linear(4, 4), MIXTRAL)
+    dense = FIXTURES.parent / "w4a16" / "gptqmodel" / "gptq-g64-asym-tied"  # a dense GPTQ Llama
+    with pytest.raises(ValueError, match="stores no quantized experts"):
+        k.load_quantized_experts(build_model(MIXTRAL), dense)
+    with pytest.raises(ValueError, match="no quantization_config"):
+        (tmp_path / "plain").mkdir()
+        (tmp_path / "plain" / "config.json").write_text("{}")
+        k.load_quantized_experts(build_model(MIXTRAL), tmp_path / "plain")
+    with pytest.raises(FileNotFoundError):
+        k.load_quantized_experts(build_model(MIXTRAL), tmp_path / "absent")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        k.load_quantized_experts(object(), MIXTRAL)
+    with pytest.raises(TypeError, match="folder must be a path"):
+        k.load_quantized_experts(build_model(MIXTRAL), 3)
+    with pytest.raises(TypeError, match="device must be"):
+        k.load_quantized_experts(build_model(MIXTRAL), MIXTRAL, device=0)

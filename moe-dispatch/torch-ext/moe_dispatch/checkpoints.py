@@ -181,8 +181,9 @@ def _decode_gptq(prefix: str, parts: dict, n: int, k: int, sym: bool, checkpoint
                              f"checkpoint_format={checkpoint_format!r} (v1 'gptq' stores 7, 'gptq_v2' stores 8)")
         return codes, scales, None, group_size
     if bool((zeros > 15).any()):
-        raise ValueError(f"{prefix}.qzeros holds a stored 15 in a v1 ('gptq') checkpoint, i.e. zero point 16, "
-                         f"which a 4-bit zero point cannot hold")
+        raise ValueError(f"{prefix}.qzeros holds a stored 15 in a v1 ('gptq') checkpoint: v1 stores zero - 1, so "
+                         f"that is zero point 16, which a 4-bit zero point cannot hold (GPTQModel's own v1 -> v2 "
+                         f"conversion wraps it to 0 and carries into the next column): ambiguous, not read")
     return codes, scales, zeros.to(torch.uint8), group_size
 
 
