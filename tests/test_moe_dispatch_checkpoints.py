@@ -1,7 +1,7 @@
 """moe-dispatch's GPTQ experts importer against checkpoints made by GPTQModel itself (CPU).
 
 The fixtures (tests/fixtures/moe_dispatch/, made by tests/fixtures/moe_dispatch/maker.py through
-scripts/make_moe_dispatch_fixtures.py) are a tiny random Mixtral and a tiny random Qwen3-MoE quantized by
+scripts/make_fixtures.py moe-dispatch) are a tiny random Mixtral and a tiny random Qwen3-MoE quantized by
 GPTQModel from random-token calibration, with the logits GPTQModel's own CPU inference computed from the
 saved folder. Here `load_quantized_experts` puts the experts into moe-dispatch's 4-bit format and they run
 in its kernels (Triton through the interpreter, and the PyTorch path); attention, whose quantized linears

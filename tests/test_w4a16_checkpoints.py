@@ -1,6 +1,6 @@
 """w4a16.load_checkpoint / from_pretrained on checkpoints made by the quantizing tools themselves.
 
-Each folder under tests/fixtures/w4a16/<tool>/ was made by scripts/make_w4a16_fixtures.py with the tool
+Each folder under tests/fixtures/w4a16/<tool>/ was made by scripts/make_fixtures.py w4a16 <tool> with the tool
 (GPTQModel, llm-compressor, AutoAWQ) from a tiny random Llama; its reference.json holds the tool versions and
 the logits of the tool's own CPU inference of that folder. The tools are not installed here: the tests read
 only the committed files. Refusals are tested on edited copies of those folders.
