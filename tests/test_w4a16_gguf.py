@@ -172,9 +172,12 @@ def _check_launch(k, group_size, kk, config, dtype):
 
 
 def test_resolve_keeps_mins_off_the_paths_without_them(k):
+    """Minima run the packed-fp16 GEMV (its grouped dot adds min * sum(x)) at groups of 32, 64 and 128, not per
+    channel, and never the integer-built dot operands."""
     x16 = torch.randn(1, 256).half()
-    assert k.tuning.resolve(CONFIGS["gemv-half2"], x16, None, 128, has_mins=True)["kernel"] == "gemv"
-    assert k.tuning.resolve(CONFIGS["gemv-half2"], x16, None, 128)["kernel"] == "gemv_h2"
+    for group_size in (32, 64, 128):
+        assert k.tuning.resolve(CONFIGS["gemv-half2"], x16, None, group_size, has_mins=True)["kernel"] == "gemv_h2"
+    assert k.tuning.resolve(CONFIGS["gemv-half2"], x16, None, -1, has_mins=True)["kernel"] == "gemv"
     dot = k.tuning.resolve(CONFIGS["dot-packed-tma"], x16, None, 128, has_mins=True)
     assert not dot["packed"] and not dot["scale_weights"]
 

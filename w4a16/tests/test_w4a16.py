@@ -20,8 +20,10 @@ FORMATS = [
     ("int4", False, -1, 200),
     ("int4", True, -1, 200),
     ("nf4", False, 64, 320),
+    ("int4", "float", 32, 320),  # float minima: GGUF Q4_1 / Q4_K's layout
+    ("int4", "float", 128, 384),
 ]
-FORMAT_IDS = [f"{f}-{'zp' if z else 'sym'}-g{g}" for f, z, g, _ in FORMATS]
+FORMAT_IDS = [f"{f}-{'zp' if z is True else 'min' if z == 'float' else 'sym'}-g{g}" for f, z, g, _ in FORMATS]
 N = 72
 CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot and row chunks covered
     "gemv": {"kernel": "gemv", "block_n": 64, "tiles": 2, "split_k": 1},
@@ -39,8 +41,9 @@ CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot an
     "dot-packed-tma": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True, "packed": True,
                        "scale_weights": True, "x_desc": True, "w_desc": True},
     "dequant-chunks": {"kernel": "dequant", "chunk_n": 128},
-    # The packed-fp16 GEMV, emulated in the interpreter (no inline PTX there): its tiles, masks, split-K and
-    # zero points; formats and dtypes it does not take (groups of 32 / 64, NF4, bf16) run the portable GEMV.
+    # The packed-fp16 GEMV, emulated in the interpreter (no inline PTX there): its tiles, masks, split-K, zero
+    # points, int4 groups of 32 / 64 (symmetric or minima); the formats it does not take (int4 groups of 64 with
+    # zero points) run the portable GEMV.
     "gemv-half2": {"kernel": "gemv", "block_n": 64, "tiles": 2, "split_k": 1, "half2": True},
     "gemv-half2-split-prefetch": {"kernel": "gemv", "block_n": 32, "tiles": 2, "split_k": 2, "prefetch": True,
                                   "half2": True},  # K = 384: 3 tiles in 2 splits of 2, the last tile masked
@@ -158,7 +161,8 @@ def test_triton_paths_fp16(k, fmt, zero_point, group_size, kk, path):
 
 
 @pytest.mark.parametrize("path", list(CONFIGS))
-@pytest.mark.parametrize("fmt,zero_point,group_size,kk", [FORMATS[1], FORMATS[6]], ids=[FORMAT_IDS[1], FORMAT_IDS[6]])
+@pytest.mark.parametrize("fmt,zero_point,group_size,kk", [FORMATS[i] for i in (1, 6, 7)],
+                         ids=[FORMAT_IDS[i] for i in (1, 6, 7)])
 def test_triton_paths_bf16(k, fmt, zero_point, group_size, kk, path):
     _check_launch(k, fmt, zero_point, group_size, kk, CONFIGS[path], torch.bfloat16, m=2)
 
@@ -169,21 +173,26 @@ def _check_launch(k, fmt, zero_point, group_size, kk, config, dtype, m):
     x = torch.randn(m, kk, generator=_gen(6)).to(dtype)
     bias = torch.randn(n, generator=_gen(7)).to(dtype)
     out = torch.full((m, n), float("nan"), dtype=dtype)  # poisoned: every element must be written
-    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, group_size, config, out=out)
+    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, group_size, config, out=out,
+                            mins=qw.mins)
     assert not out.isnan().any()
     assert _rel_err(out, _reference(k, x, qw, bias)) < TOL[dtype]
 
 
 def test_half2_gemv_applies_where_supported(k):
-    """fp16 / bf16, int4 or NF4 with tile-sized (or per-channel; NF4 also 64-column) groups takes the
-    packed-fp16 GEMV; the rest does not."""
+    """fp16 / bf16, int4 or NF4 with tile-sized (or per-channel; NF4 also 64-column) groups, and int4 groups of
+    32 / 64 without zero points (symmetric or float minima), take the packed-fp16 GEMV; the rest does not."""
     tk = k.tuning
     x16, x_bf = torch.zeros(1, 256, dtype=torch.float16), torch.zeros(1, 256, dtype=torch.bfloat16)
     codebook = torch.zeros(16)
-    assert all(tk.half2_supported(x, None, g) for g in (128, 256, -1) for x in (x16, x_bf))
+    assert all(tk.half2_supported(x, None, g, has_zeros=z) for g in (128, 256, -1) for x in (x16, x_bf)
+               for z in (False, True))
     assert all(tk.half2_supported(x16, codebook, g) for g in (64, 128, -1))
     assert not tk.half2_supported(x16.float(), None, 128)
-    assert not tk.half2_supported(x16, None, 64) and not tk.half2_supported(x16, None, 32)
+    assert all(tk.half2_supported(x, None, g, has_mins=mins) for g in (32, 64, 128) for x in (x16, x_bf)
+               for mins in (False, True))
+    assert not tk.half2_supported(x16, None, 64, has_zeros=True) and not tk.half2_supported(x16, None, 32, has_zeros=True)
+    assert not tk.half2_supported(x16, None, -1, has_mins=True)
     assert not tk.half2_supported(x16, codebook, 32)
     assert k.tuning.heuristic(1, 4096, 4096, 132)["half2"]
 
@@ -224,8 +233,9 @@ def test_resolve_makes_every_choice_once(k):
             "half2": {"block_n": 16, "tiles": 8, "split_k": 1}}
     assert k.tuning.resolve(gemv, x16, None, 128) == {"kernel": "gemv_h2", "block_n": 16, "tiles": 8, "split_k": 1,
                                                        "num_warps": 4}
-    assert k.tuning.resolve(gemv, x16, None, 32) == {"kernel": "gemv", "block_n": 8, "tiles": 4, "split_k": 2,
-                                                      "num_warps": 4}
+    assert k.tuning.resolve(gemv, x16, None, 32, has_zeros=True) == {"kernel": "gemv", "block_n": 8, "tiles": 4,
+                                                                      "split_k": 2, "num_warps": 4}
+    assert k.tuning.resolve(gemv, x16, None, 32, has_mins=True)["kernel"] == "gemv_h2"
     assert k.tuning.resolve({**gemv, "half2": True}, x16, None, 128)["kernel"] == "gemv_h2"
     dot = {"kernel": "dot", "block_m": 16, "block_n": 64, "packed": True, "scale_weights": True}
     assert k.tuning.resolve(dot, x16, None, 128)["packed"] and k.tuning.resolve(dot, x16, None, 128)["scale_weights"]
@@ -412,9 +422,10 @@ def test_resolve_pairs_gate_up_rows_for_swiglu(k):
     resolve = k.tuning.resolve
     assert resolve(gemv, x16, None, 128, swiglu=True) == {**resolve(gemv, x16, None, 128), "block_n": 16, "tiles": 4,
                                                           "swiglu": True}
-    assert resolve(gemv, x16, None, 32, swiglu=True) == {**resolve(gemv, x16, None, 32), "block_n": 16, "tiles": 2,
-                                                         "swiglu": True}
-    assert resolve({**gemv, "block_n": 64}, x16, None, 32, swiglu=True)["block_n"] == 64
+    portable = dict(has_zeros=True)  # int4 groups of 32 with zero points: the portable GEMV
+    assert resolve(gemv, x16, None, 32, swiglu=True, **portable) == {**resolve(gemv, x16, None, 32, **portable),
+                                                                     "block_n": 16, "tiles": 2, "swiglu": True}
+    assert resolve({**gemv, "block_n": 64}, x16, None, 32, swiglu=True, **portable)["block_n"] == 64
     for config in ({"kernel": "dot", "block_m": 16, "block_n": 64, "packed": True},
                    {"kernel": "dequant", "chunk_n": 8}):
         assert resolve(config, x16, None, 128, swiglu=True) == {**resolve(config, x16, None, 128), "swiglu": True}

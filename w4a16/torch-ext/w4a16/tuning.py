@@ -77,7 +77,7 @@ def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = N
         per_iter = min(32, 1 << (tiles.bit_length() - 1))
         programs = rows // block_n
         split = 1 if programs >= 2 * sm_count else min(-(-2 * sm_count // programs), max(1, tiles // per_iter))
-        # half2: the packed-fp16 GEMV's tiles where it applies (fp16 x, int4, 128-multiple groups, NVIDIA), else
+        # half2: the packed-fp16 GEMV's tiles where it applies (`half2_supported`: NVIDIA, most formats), else
         # the fp32 GEMV's. On the H200 (2026-12-01) 8 rows x 8 tiles per program won on 9 of 12 decode shapes
         # (the least registers, so the most warps in flight), split-K where it keeps >= 16 tiles per split and
         # at most 8 programs per SM (Qwen2.5-1.5B down 4, Llama-3-8B down 2).
@@ -154,23 +154,28 @@ def packed_dot_supported(codebook, group_size, has_mins: bool = False) -> bool:
     return codebook is None and not has_mins and (group_size == -1 or group_size % 128 == 0)
 
 
-def half2_supported(x, codebook, group_size, has_mins: bool = False) -> bool:
+def half2_supported(x, codebook, group_size, has_mins: bool = False, has_zeros: bool = False) -> bool:
     """Whether the packed-fp16 GEMV (`_gemv_h2_kernel`) applies: fp16 activations (bf16 after
-    `_x_to_fp16_kernel`), int4 or NF4 with scale groups of whole 128-column tiles or per channel (NF4: also
-    64), and an NVIDIA GPU (inline PTX) or the interpreter (emulated). Elsewhere (groups of 32, int4 groups of
-    64, weights with minima, ROCm, XPU) a GEMV config runs the portable `_gemv_kernel`."""
-    groups_ok = packed_dot_supported(None, group_size) or (codebook is not None and group_size == 64)
-    if has_mins or x.dtype not in (torch.float16, torch.bfloat16) or not groups_ok:
+    `_x_to_fp16_kernel`), int4 or NF4 with scale groups of whole 128-column tiles or per channel, NF4 groups of
+    64, int4 groups of 32 or 64 without integer zero points (symmetric, or float minima: GGUF's layout), on an
+    NVIDIA GPU (inline PTX) or the interpreter (emulated). Elsewhere (NF4 groups of 32, int4 groups of 32 or 64
+    with zero points, minima per channel, ROCm, XPU) a GEMV config runs the portable `_gemv_kernel`."""
+    whole_tiles = group_size == -1 or group_size % 128 == 0
+    if codebook is not None:
+        groups_ok = whole_tiles or group_size == 64
+    else:
+        groups_ok = (whole_tiles or (group_size in (32, 64) and not has_zeros)) and not (has_mins and group_size == -1)
+    if x.dtype not in (torch.float16, torch.bfloat16) or not groups_ok:
         return False
     return interpreting() or (x.device.type == "cuda" and torch.version.hip is None)
 
 
 def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bool = False,
-            has_mins: bool = False) -> dict:
+            has_mins: bool = False, has_zeros: bool = False) -> dict:
     """The launch plan of `config` for activations `x` and a weight of this format (`has_mins`: int4 with float
-    minima; see the module doc); with `swiglu` (a fused gate / up weight in the SwiGLU layout) for the epilogue
-    silu(gate) * up."""
-    plan = _format_plan(config, x, codebook, group_size, has_mins)
+    minima, `has_zeros`: integer zero points; see the module doc); with `swiglu` (a fused gate / up weight in the
+    SwiGLU layout) for the epilogue silu(gate) * up."""
+    plan = _format_plan(config, x, codebook, group_size, has_mins, has_zeros)
     if not swiglu:
         return plan
     if "block_n" in plan and plan["block_n"] < 2 * GATE_UP_BLOCK:
@@ -186,12 +191,12 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bo
     return {**plan, "swiglu": True}
 
 
-def _format_plan(config: dict, x: torch.Tensor, codebook, group_size: int, has_mins: bool) -> dict:
+def _format_plan(config: dict, x: torch.Tensor, codebook, group_size: int, has_mins: bool, has_zeros: bool) -> dict:
     """`resolve` for this activation dtype, device and weight format."""
     if config["kernel"] == "gemv":
         plan = {key: value for key, value in config.items() if key != "half2"}
         half2 = config.get("half2", False)
-        if half2 and half2_supported(x, codebook, group_size, has_mins):
+        if half2 and half2_supported(x, codebook, group_size, has_mins, has_zeros):
             plan.update(half2 if isinstance(half2, dict) else {}, kernel="gemv_h2")
         return plan
     if config["kernel"] == "dot":

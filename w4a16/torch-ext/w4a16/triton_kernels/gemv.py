@@ -148,35 +148,43 @@ def _gemv_kernel(
 # the 8 partial additions is rounded to fp16 (2^-11 relative), then everything is accumulated in fp32;
 # simulated and measured relative errors stay ~2x the fp16 rounding of the output itself
 # (docs/design/w4a16/gemv-attempt.md).
-_H2_ASM = tl.constexpr("""
-{
-.reg .b32 t0, t1, t2, t3, w8, p, m1, m2, mg, k16, k256;
-.reg .b16 lo, hi;
+# The dequantization both packed-fp16 dots share: W's 8 nibbles as the fp16 pairs t0-t3 of (code - zero) / 16
+# (ZLO / ZHI: the zero pairs), t_j holding planes j (low half) and j + 4 (high half).
+_H2_DEQUANT_PTX = """.reg .b32 t0, t1, t2, t3, w8, m1, m2, mg, k16, k256;
 mov.b32 m1, 0x000F000F;
 mov.b32 m2, 0x00F000F0;
 mov.b32 mg, 0x64006400;
 mov.b32 k16, 0x2C002C00;
 mov.b32 k256, 0x1C001C00;
-lop3.b32 t0, $1, m1, mg, 0xEA;
-lop3.b32 t1, $1, m2, mg, 0xEA;
-shr.u32 w8, $1, 8;
+lop3.b32 t0, W, m1, mg, 0xEA;
+lop3.b32 t1, W, m2, mg, 0xEA;
+shr.u32 w8, W, 8;
 lop3.b32 t2, w8, m1, mg, 0xEA;
 lop3.b32 t3, w8, m2, mg, 0xEA;
-fma.rn.f16x2 t0, t0, k16, $2;
-fma.rn.f16x2 t1, t1, k256, $3;
-fma.rn.f16x2 t2, t2, k16, $2;
-fma.rn.f16x2 t3, t3, k256, $3;
-mul.rn.f16x2 p, t0, $4;
-fma.rn.f16x2 p, t1, $5, p;
-fma.rn.f16x2 p, t2, $6, p;
-fma.rn.f16x2 p, t3, $7, p;
-mov.b32 {lo, hi}, p;
-add.rn.f16 lo, lo, hi;
-cvt.f32.f16 $0, lo;
-}
-""")
+fma.rn.f16x2 t0, t0, k16, ZLO;
+fma.rn.f16x2 t1, t1, k256, ZHI;
+fma.rn.f16x2 t2, t2, k16, ZLO;
+fma.rn.f16x2 t3, t3, k256, ZHI;
+"""
+_H2_ASM = tl.constexpr(
+    "{\n.reg .b32 p;\n.reg .b16 lo, hi;\n"
+    + _H2_DEQUANT_PTX.replace("W", "$1").replace("ZLO", "$2").replace("ZHI", "$3")
+    + "mul.rn.f16x2 p, t0, $4;\nfma.rn.f16x2 p, t1, $5, p;\nfma.rn.f16x2 p, t2, $6, p;\nfma.rn.f16x2 p, t3, $7, p;\n"
+      "mov.b32 {lo, hi}, p;\nadd.rn.f16 lo, lo, hi;\ncvt.f32.f16 $0, lo;\n}")
 _ZLO_SYM = tl.constexpr(_i32(0xD408D408))  # fp16 pair -(64 + 8/16): the symmetric zero point 8
 _ZHI_SYM = tl.constexpr(_i32(0xC480C480))  # fp16 pair -(4 + 8/16)
+_ZLO_NONE = tl.constexpr(_i32(0xD400D400))  # fp16 pair -64: codes as they are (weights with float minima)
+_ZHI_NONE = tl.constexpr(_i32(0xC400C400))  # fp16 pair -4
+# `_H2_ASM` with the dot split by scale groups of 32 columns (planes 0-1, 2-3, 4-5, 6-7 of the tile): the products
+# of planes (0 | 4) and (1 | 5) summed in one packed pair give group 0 (low half) and group 2 (high half), those of
+# (2 | 6) and (3 | 7) groups 1 and 3; each half converted apart. Per word: 4 LOP3 + 1 SHF + 4 HFMA2 (dequant) +
+# 4 HMUL2 / HFMA2 + 2 moves + 4 converts; the caller scales each group (groups of 64: two of these summed).
+_H2_GROUPS_ASM = tl.constexpr(
+    "{\n.reg .b32 qa, qb;\n.reg .b16 a0, a1, b0, b1;\n"
+    + _H2_DEQUANT_PTX.replace("W", "$4").replace("ZLO", "$5").replace("ZHI", "$6")
+    + "mul.rn.f16x2 qa, t0, $7;\nfma.rn.f16x2 qa, t1, $8, qa;\nmul.rn.f16x2 qb, t2, $9;\nfma.rn.f16x2 qb, t3, $10, qb;\n"
+      "mov.b32 {a0, a1}, qa;\nmov.b32 {b0, b1}, qb;\n"
+      "cvt.f32.f16 $0, a0;\ncvt.f32.f16 $1, b0;\ncvt.f32.f16 $2, a1;\ncvt.f32.f16 $3, b1;\n}")
 
 
 @triton.jit
@@ -233,6 +241,63 @@ def _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
     else:
         return tl.inline_asm_elementwise(_H2_ASM, "=f,r,r,r,r,r,r,r", [w, zlo, zhi, xp0, xp1, xp2, xp3],
                                          dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _h2_word_groups(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
+    """`_h2_word_dot` per 32-column scale group: four fp32 tensors, the sums over planes 0-1, 2-3, 4-5 and 6-7
+    (see _H2_GROUPS_ASM). EMULATE computes the same in fp32 from the same packed operands."""
+    if EMULATE:
+        zero16 = -64.0 - _h2_low(zlo)  # z / 16
+        lo01 = tl.zeros(w.shape, dtype=tl.float32)
+        lo23 = tl.zeros(w.shape, dtype=tl.float32)
+        hi01 = tl.zeros(w.shape, dtype=tl.float32)
+        hi23 = tl.zeros(w.shape, dtype=tl.float32)
+        for j in tl.static_range(4):
+            xp = _pick4(j, xp0, xp1, xp2, xp3)
+            lo = (((w >> (4 * j)) & 0xF).to(tl.float32) * 0.0625 - zero16) * _h2_low(xp)
+            hi = (((w >> (16 + 4 * j)) & 0xF).to(tl.float32) * 0.0625 - zero16) * _h2_low(xp >> 16)
+            if j < 2:
+                lo01 += lo
+                hi01 += hi
+            else:
+                lo23 += lo
+                hi23 += hi
+        return lo01, lo23, hi01, hi23
+    else:
+        return tl.inline_asm_elementwise(_H2_GROUPS_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,r",
+                                         [w, zlo, zhi, xp0, xp1, xp2, xp3],
+                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+# x summed over each 32-column group's planes from the packed x pairs (j | j + 4): (0 | 4) + (1 | 5) gives
+# groups 0 and 2, (2 | 6) + (3 | 7) groups 1 and 3 (the order of _H2_GROUPS_ASM); fp16 sums of two x.
+_X_GROUP_SUMS_ASM = tl.constexpr("""
+{
+.reg .b32 a, b;
+.reg .b16 a0, a1, b0, b1;
+add.rn.f16x2 a, $4, $5;
+add.rn.f16x2 b, $6, $7;
+mov.b32 {a0, a1}, a;
+mov.b32 {b0, b1}, b;
+cvt.f32.f16 $0, a0;
+cvt.f32.f16 $1, b0;
+cvt.f32.f16 $2, a1;
+cvt.f32.f16 $3, b1;
+}
+""")
+
+
+@triton.jit
+def _x_group_sums(xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
+    """Four fp32 tensors: each word position's x summed over the planes of 32-column groups 0-3 of its tile (for
+    the minima's ``min * sum(x)``), from the packed x pairs; EMULATE the same from the halves in fp32."""
+    if EMULATE:
+        return (_h2_low(xp0) + _h2_low(xp1), _h2_low(xp2) + _h2_low(xp3), _h2_low(xp0 >> 16) + _h2_low(xp1 >> 16),
+                _h2_low(xp2 >> 16) + _h2_low(xp3 >> 16))
+    else:
+        return tl.inline_asm_elementwise(_X_GROUP_SUMS_ASM, "=f,=f,=f,=f,r,r,r,r", [xp0, xp1, xp2, xp3],
+                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
 
 
 # NF4 in the packed-fp16 GEMV: a byte-permute (PRMT) looks up 4 bytes at once in an 8-byte table, so the 16
@@ -314,11 +379,11 @@ def _x_to_fp16_kernel(x_ptr, xh_ptr, xs_ptr, K, num_tiles, stride_xm, stride_hm,
 
 @triton.jit
 def _gemv_h2_kernel(
-    x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr,
+    x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
     N, K, num_tiles, tiles_per_split, group_size,
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
-    HAS_ZERO: tl.constexpr, PER_CHANNEL: tl.constexpr, X_SCALED: tl.constexpr, NF4: tl.constexpr,
-    HALF_GROUPS: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr, X_SCALED: tl.constexpr,
+    NF4: tl.constexpr, HALF_GROUPS: tl.constexpr, INT4_GROUPS: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
     X_BCAST: tl.constexpr, W_DESC: tl.constexpr, EMULATE: tl.constexpr, SWIGLU: tl.constexpr,
@@ -326,7 +391,9 @@ def _gemv_h2_kernel(
     """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
     `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
     bf16 activations made fp16 by `_x_to_fp16_kernel`, with each tile's scale undone from ``xs``). NF4
-    looks the codebook up with `_NF4_ASM` instead, with groups of 64 too (HALF_GROUPS).
+    looks the codebook up with `_NF4_ASM` instead, with groups of 64 too (HALF_GROUPS). INT4_GROUPS (2 or 4):
+    int4 scale groups of 64 or 32 columns, symmetric or with float minima (`_H2_GROUPS_ASM`); HAS_MIN (any
+    int4 group size) adds ``min * sum(x)`` per group, from x sums of the packed pairs (`_X_GROUP_SUMS_ASM`).
 
     Every (row, tile, word) element keeps its own fp32 accumulator (one FFMA with its group's scale per
     word); the reductions over words and tiles happen once, after the K loop.
@@ -347,8 +414,8 @@ def _gemv_h2_kernel(
     x_row = x_ptr + m * stride_xm
     first = pid_k * tiles_per_split
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
-    zlo = tl.full([BLOCK_N, TILES, _WORDS], _ZLO_SYM, tl.int32)
-    zhi = tl.full([BLOCK_N, TILES, _WORDS], _ZHI_SYM, tl.int32)
+    zlo = tl.full([BLOCK_N, TILES, _WORDS], _ZLO_NONE if HAS_MIN else _ZLO_SYM, tl.int32)
+    zhi = tl.full([BLOCK_N, TILES, _WORDS], _ZHI_NONE if HAS_MIN else _ZHI_SYM, tl.int32)
     if PER_CHANNEL:
         scale = tl.load(s_ptr + rows).to(tl.float32)
         if HAS_ZERO:
@@ -417,8 +484,32 @@ def _gemv_h2_kernel(
                 s = tl.full([BLOCK_N, TILES], 1.0, tl.float32)
             else:
                 part = part + part_hi
-        else:
+        elif INT4_GROUPS == 1 and not HAS_MIN:
             part = _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE)
+        else:
+            q0, q1, q2, q3 = _h2_word_groups(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE)
+            if HAS_MIN:
+                x0, x1, x2, x3 = _x_group_sums(xp0, xp1, xp2, xp3, EMULATE)
+            if INT4_GROUPS < 4:  # groups of 64 (planes 0-3, 4-7) or one per tile
+                q0, q1 = q0 + q1, q2 + q3
+                if HAS_MIN:
+                    x0, x1 = x0 + x1, x2 + x3
+            if INT4_GROUPS == 1:
+                q0 = q0 + q1
+                if HAS_MIN:
+                    x0 = x0 + x1
+            part = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+            for g in tl.static_range(INT4_GROUPS):
+                s_g = tl.load(s_ptr + param_offs + g * stride_sg, mask=live[None, :], other=0.0).to(tl.float32)
+                if X_SCALED:
+                    s_g = s_g * x_scale
+                part += _pick4(g, q0, q1, q2, q3) * s_g[:, :, None]
+                if HAS_MIN:  # acc is in units of 1/16 (undone after the loop): so is the minimum's term
+                    low = tl.load(m_ptr + param_offs + g * stride_sg, mask=live[None, :], other=0.0).to(tl.float32)
+                    if X_SCALED:
+                        low = low * x_scale
+                    part += (low * 0.0625)[:, :, None] * _pick4(g, x0, x1, x2, x3)
+            s = tl.full([BLOCK_N, TILES], 1.0, tl.float32)
         if MASK_TILES:
             part = tl.where(live[None, :, None], part, 0.0)
         acc += part * s[:, :, None]  # a multiply by the constant 1.0 (per channel, unscaled x) folds away

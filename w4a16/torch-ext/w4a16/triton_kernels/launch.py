@@ -73,7 +73,7 @@ def _launch_gemv(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gro
 
 
 def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
-    """`_gemv_h2_kernel`; `tuning.resolve` never picks it for weights with minima (`mins` is always None)."""
+    """`_gemv_h2_kernel` (`tuning.half2_supported` says for which formats)."""
     grid, per_split, splits, target, flags = _gemv_grid(x, qweight, out, n, k, plan, bias)
     m, num_tiles = x.shape[0], qweight.shape[1] // WORDS_PER_TILE
     x_scaled = x.dtype == torch.bfloat16
@@ -90,11 +90,12 @@ def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, 
         qw = TensorDescriptor(qweight, [qweight.shape[0], num_tiles, WORDS_PER_TILE],
                               [qweight.stride(0), WORDS_PER_TILE, 1], [plan["block_n"], plan["tiles"], WORDS_PER_TILE])
     _gemv_h2_kernel[grid](
-        x, x_scales, qw, scales, _or(zeros, scales), _or(codebook, scales), _or(bias, scales), target,
-        n, k, num_tiles, per_split, qweight.shape[1] * 8 if group_size == -1 else group_size,
+        x, x_scales, qw, scales, _or(zeros, scales), _or(mins, scales), _or(codebook, scales), _or(bias, scales),
+        target, n, k, num_tiles, per_split, qweight.shape[1] * 8 if group_size == -1 else group_size,
         x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), m * n,
-        HAS_ZERO=zeros is not None, PER_CHANNEL=group_size == -1, X_SCALED=x_scaled,
-        NF4=codebook is not None, HALF_GROUPS=group_size == 64,
+        HAS_ZERO=zeros is not None, HAS_MIN=mins is not None, PER_CHANNEL=group_size == -1, X_SCALED=x_scaled,
+        NF4=codebook is not None, HALF_GROUPS=codebook is not None and group_size == 64,
+        INT4_GROUPS=128 // group_size if codebook is None and group_size in (32, 64) else 1,
         X_BCAST=bool(plan.get("x_bcast", False)), W_DESC=w_desc, EMULATE=interpreting(),
         # masked tiles mask x per tile (MASK_TILES); descriptor boxes are loaded in the loop, not ahead
         **dict(flags, MASK_X=k % 128 != 0, PREFETCH=flags["PREFETCH"] and not w_desc),
@@ -196,6 +197,6 @@ def matmul(x, qweight, scales, zeros, codebook, bias, n, k, group_size, config, 
     minima (`formats.QuantizedWeight.mins`) or None."""
     if out is None:
         out = torch.empty(x.shape[0], n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
-    plan = resolve(config, x, codebook, group_size, swiglu, has_mins=mins is not None)
+    plan = resolve(config, x, codebook, group_size, swiglu, has_mins=mins is not None, has_zeros=zeros is not None)
     _LAUNCHERS[plan["kernel"]](x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan)
     return out
