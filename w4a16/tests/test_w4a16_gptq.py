@@ -110,3 +110,84 @@ def test_quantize_model_with_calibration(k):
         err = {name: ((m(held_out).logits.double() - ref).norm() / ref.norm()).item()
                for name, m in (("rtn", rtn), ("gptq", gptq))}
     assert err["gptq"] < 0.85 * err["rtn"], err  # measured 0.108 against 0.156
+
+
+class _Chain(torch.nn.Module):
+    """A decoder layer of two linears in a row: `b` reads what `a` writes, so quantizing `a` changes `b`'s input."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width, bias=False)
+        self.b = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, width, depth):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Chain(width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _stack(depth=1):
+    torch.manual_seed(9)
+    return _Stack(128, depth).to(torch.bfloat16).eval()  # the kernel takes 16-bit activations
+
+
+def _chain_calibration():
+    return [_correlated_inputs(256, 128, seed=10 + i).reshape(4, 64, 128).bfloat16() for i in range(2)]
+
+
+def _hessian(inputs):
+    h = torch.zeros(128, 128, dtype=torch.float64)
+    for x in inputs:  # summed batch by batch, as calibrate_model does, so that the bits match
+        x = x.reshape(-1, 128).double()
+        h += x.t() @ x
+    return h
+
+
+def _same(qw, other):
+    return torch.equal(qw.qweight, other.qweight) and torch.equal(qw.scales, other.scales) \
+        and torch.equal(qw.zeros, other.zeros)
+
+
+@pytest.mark.parametrize("true_sequential", [True, False])
+def test_calibration_stages_see_the_earlier_stages_quantized(k, true_sequential):
+    """True-sequential: `b`'s Hessian comes from the outputs of `a` already quantized (W4A16Linear's own forward);
+    without it, from the float `a`'s outputs. The two Hessians differ, so each case is told from the other."""
+    calibration = _chain_calibration()
+    float_layer = _stack().layers[0]
+    qa = k.gptq_quantize(float_layer.a.weight, _hessian(calibration), group_size=64, zero_point=True)
+    with torch.no_grad():
+        b_inputs = {"quantized a": [k.W4A16Linear(qa)(x) for x in calibration],
+                    "float a": [float_layer.a(x) for x in calibration]}
+    b_weights = {name: k.gptq_quantize(float_layer.b.weight, _hessian(x), group_size=64, zero_point=True)
+                 for name, x in b_inputs.items()}
+    assert not _same(b_weights["quantized a"], b_weights["float a"])  # the test tells the two apart
+
+    model = k.quantize_model(_stack(), group_size=64, zero_point=True, calibration=calibration,
+                             true_sequential=true_sequential, fuse=False)
+    layer = model.layers[0]
+    assert _same(layer.a.quantized_weight, qa)
+    assert _same(layer.b.quantized_weight, b_weights["quantized a" if true_sequential else "float a"])
+
+
+def test_calibration_feeds_the_next_layer_its_quantized_outputs_and_is_deterministic(k):
+    """Layer 1's first linear is calibrated on layer 0's outputs with both of layer 0's linears quantized; the
+    same calibration twice gives the same bits in every buffer."""
+    calibration = _chain_calibration()
+    model = k.quantize_model(_stack(depth=2), group_size=64, zero_point=True, calibration=calibration, fuse=False)
+    with torch.no_grad():
+        hidden = [model.layers[0](x) for x in calibration]
+    expected = k.gptq_quantize(_stack(depth=2).layers[1].a.weight, _hessian(hidden), group_size=64, zero_point=True)
+    assert _same(model.layers[1].a.quantized_weight, expected)
+
+    again = k.quantize_model(_stack(depth=2), group_size=64, zero_point=True, calibration=calibration, fuse=False)
+    state, other = model.state_dict(), again.state_dict()
+    assert state.keys() == other.keys() and all(torch.equal(state[name], other[name]) for name in state)

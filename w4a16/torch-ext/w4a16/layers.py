@@ -107,14 +107,15 @@ def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
 
 def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] = ("lm_head",), *,
                    zero_point: bool | str = False, fmt: str = "int4", calibration: Optional[Iterable] = None,
-                   act_order: bool = False, damp: float = 0.01, fuse: bool = True) -> nn.Module:
+                   act_order: bool = False, damp: float = 0.01, true_sequential: bool = True,
+                   fuse: bool = True) -> nn.Module:
     """Replace every ``nn.Linear`` of `model` whose qualified name does not match `skip` (a name, or a
     component of the dotted name) by a `W4A16Linear`, in place; returns `model`. Round-to-nearest, or with
     `calibration` (model inputs: token-id tensors or dicts of keyword arguments) GPTQ for the linears of the
     decoder layers (`calibrate_model`, optionally `act_order`, with `damp` added to the Hessian's diagonal as
-    a fraction of its mean) and round-to-nearest for the others. With `fuse` the projections that read one
-    input then run as one matmul: q / k / v and gate / up, SiLU MLPs with the SwiGLU epilogue in the matmul
-    (`fuse_projections`)."""
+    a fraction of its mean, each layer's linears in `true_sequential` stages) and round-to-nearest for the
+    others. With `fuse` the projections that read one input then run as one matmul: q / k / v and gate / up,
+    SiLU MLPs with the SwiGLU epilogue in the matmul (`fuse_projections`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(fuse, bool):
@@ -122,7 +123,7 @@ def quantize_model(model: nn.Module, group_size: int = 128, skip: Iterable[str] 
     skip = _skip_names(skip)
     if calibration is not None:
         calibrate_model(model, calibration, group_size, skip, zero_point=zero_point, fmt=fmt, act_order=act_order,
-                        damp=damp)
+                        damp=damp, true_sequential=true_sequential)
     elif act_order:
         raise ValueError("act_order=True needs calibration (GPTQ); round-to-nearest has no column order")
     targets = [(name, module) for name, module in model.named_modules()
@@ -236,13 +237,17 @@ def _shared_inputs(layer: nn.Module, linears: dict[str, nn.Linear]) -> dict[str,
 
 def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 128, skip: Iterable[str] = ("lm_head",),
                     *, zero_point: bool = False, fmt: str = "int4", act_order: bool = False,
-                    damp: float = 0.01) -> nn.Module:
+                    damp: float = 0.01, true_sequential: bool = True) -> nn.Module:
     """GPTQ for every ``nn.Linear`` inside the model's decoder layers whose name does not match `skip`, in place;
     returns `model`. `calibration`: model inputs (token-id tensors ``[batch, seq]`` or dicts of keyword
     arguments), run once to record each decoder layer's call; each layer then runs on the stored activations
-    with its own keyword arguments, its Hessians are collected, its linears quantized, and it runs again to
-    feed the next layer. Linears outside
-    the decoder layers (``lm_head``) are left as they are."""
+    with its own keyword arguments, its Hessians are collected, its linears quantized, and it runs again with
+    all of them quantized to feed the next layer. With `true_sequential` a layer's linears are quantized in
+    stages, one per input they read (q / k / v, o, gate / up, down, in module order), each stage's Hessians
+    collected by a pass of the layer whose earlier stages are already quantized, so that a linear compensates
+    the errors of the ones before it, as the next layer does for this one; without it one pass of the float
+    layer serves every linear. Deterministic: no randomness is involved. Linears outside the decoder layers
+    (``lm_head``) are left as they are."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     skip = _skip_names(skip)
@@ -257,30 +262,41 @@ def calibrate_model(model: nn.Module, calibration: Iterable, group_size: int = 1
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)
                    and not _skipped(f"{prefix[layer]}.{name}", skip)}
         reads = _shared_inputs(layer, linears)
-        hessians = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64, device=m.weight.device)
-                    for name, m in linears.items() if reads[name] == name}
-
-        def accumulate(name):
-            def hook(module, args):
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-                hessians[name] += x.t() @ x
-            return hook
-
-        hooks = [linears[name].register_forward_pre_hook(accumulate(name)) for name in hessians]
-        try:
-            with torch.no_grad():
-                for args, kwargs in inputs:
-                    layer(*args, **kwargs)
-        finally:
-            for h in hooks:
-                h.remove()
-        for name, m in linears.items():
-            qw = gptq_quantize(m.weight, hessians[reads[name]], group_size=group_size, zero_point=zero_point, fmt=fmt,
-                               act_order=act_order, damp=damp)
-            _replace(layer, name, W4A16Linear(qw, m.bias))
+        readers = [name for name in linears if reads[name] == name]  # one per distinct input, in module order
+        for stage in ([[name] for name in readers] if true_sequential else [readers]):
+            hessians = _hessians(layer, {name: linears[name] for name in stage}, inputs)
+            for name, m in linears.items():
+                if reads[name] in hessians:
+                    qw = gptq_quantize(m.weight, hessians[reads[name]], group_size=group_size, zero_point=zero_point,
+                                       fmt=fmt, act_order=act_order, damp=damp)
+                    _replace(layer, name, W4A16Linear(qw, m.bias))
         with torch.no_grad():  # the next layer sees this one's quantized outputs
             outputs = [layer(*args, **kwargs) for args, kwargs in inputs]
     return model
+
+
+def _hessians(layer: nn.Module, readers: dict[str, nn.Linear],
+              inputs: list[tuple[tuple, dict]]) -> dict[str, torch.Tensor]:
+    """``sum x^T x`` (float64) over the inputs of each of `readers` (linears of `layer`, by name) while `layer` runs
+    on every call of `inputs`."""
+    hessians = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64, device=m.weight.device)
+                for name, m in readers.items()}
+
+    def accumulate(name):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            hessians[name] += x.t() @ x
+        return hook
+
+    hooks = [m.register_forward_pre_hook(accumulate(name)) for name, m in readers.items()]
+    try:
+        with torch.no_grad():
+            for args, kwargs in inputs:
+                layer(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return hessians
 
 
 def _layer_calls(model: nn.Module, layers: nn.ModuleList, calibration: Iterable) -> list[list[tuple[tuple, dict]]]:
