@@ -357,7 +357,7 @@ def test_transformers_kernelize_layer(k, path, built_kernel_dir):
 def test_tuned_configs_apply_only_to_their_gpu(k, monkeypatch, caplog):
     """The H200 tables are read on an H200 only; another GPU takes the heuristic and says so once."""
     pytest.importorskip("triton")
-    tk, cuda, shape = k.ops.triton_kernels, torch.device("cuda", 0), (8, 4096, 14336)
+    tk, cuda, shape = k.ops.triton_kernels.configs, torch.device("cuda", 0), (8, 4096, 14336)
     tk._note_heuristic.cache_clear()
     monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
     monkeypatch.setattr(tk, "_device_name", lambda device: "NVIDIA H200")

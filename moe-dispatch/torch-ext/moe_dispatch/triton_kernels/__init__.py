@@ -1,0 +1,32 @@
+"""Triton kernels of the fused MoE layer and their launchers.
+
+Launches for a whole layer (`moe_forward`), none of them sized by device data (no host syncs):
+
+- T <= DECODE_MAX_TOKENS (decode): router logits (cuBLAS) -> `_route_kernel` -> `_gate_up_decode_kernel`
+  -> `_down_decode_kernel` -> `_combine_kernel`. No sort: each program takes one (token, slot) pair and
+  works only if that pair is the first to name its expert, so every selected expert's weights are
+  streamed once, by many programs at a time.
+- larger T: `_route_kernel` (router GEMM fused, also writes a per-chunk expert histogram) -> `_align_kernel`
+  (pairs sorted by expert, each expert padded to BLOCK_M) -> `_gate_up_grouped_kernel` (gathers token rows
+  on load, SiLU(gate) * up epilogue) -> `_down_grouped_kernel` (routing weight applied in fp32) ->
+  `_combine_kernel` (sum over the top-k slots in slot order: deterministic, no atomics).
+
+`fused_experts` with caller-given ids runs `_histogram_kernel` in place of the router.
+
+4-bit experts (`QuantizedExperts`, quantized.py) run the same launches: the four expert kernels take
+QUANT=True and the format as constexprs (NF4, HAS_ZERO, HAS_MIN, GROUP); their K loops then step one packed
+tile (128 columns, 16 words per row) at a time and dequantize it in registers (`_dequant_tile`) into the
+operand of the same tl.dot. At T <= GEMV_MAX_TOKENS `_gate_up_gemv_kernel` / `_down_gemv_kernel` replace the
+two decode kernels (no tensor cores). No shared expert rides along with them (the op adds a dense one after).
+
+Buffers are sized by upper bounds known from shapes: the padded pair count is at most
+(T*k // BLOCK_M + min(E, T*k)) * BLOCK_M <= T*k + E*(BLOCK_M-1). A shared expert of the routed experts'
+intermediate size rides along as expert E in an extra top-k slot of weight 1.
+"""
+
+from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, GEMV_MAX_TOKENS, config_path, default_config,
+                      get_config)
+from .launch import experts, moe_forward, route
+
+__all__ = ["CHUNK_TOKENS", "DECODE_MAX_TOKENS", "GEMV_MAX_TOKENS", "config_path", "default_config", "experts",
+           "get_config", "moe_forward", "route"]

@@ -1,0 +1,149 @@
+"""Launch configs: tuned tables per layer shape and GPU (configs/*.json) and the heuristic."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+
+import torch
+import triton
+
+DECODE_MAX_TOKENS = 16  # up to this many tokens one 16-row tile holds them all: the decode kernels run
+GEMV_MAX_TOKENS = 4  # 4-bit experts up to this many tokens: the GEMV kernels (gemv.py)
+CHUNK_TOKENS = 64  # tokens per routing chunk; the sort places one chunk per program
+CONFIG_DIR = Path(__file__).parent.parent / "configs"
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------------
+
+
+def config_path(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device_name: str) -> Path:
+    """configs/E=..,H=..,I=..,dtype=..,device=<gpu>.json: the layer's shape, then the GPU's name in lower case
+    with dashes ("NVIDIA H200" -> nvidia-h200), so a table applies only to the GPU it was measured on."""
+    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
+    dtype_name = str(dtype).removeprefix("torch.")
+    return CONFIG_DIR / f"E={num_experts},H={hidden},I={intermediate},dtype={dtype_name},device={slug}.json"
+
+
+@functools.cache
+def _tuned_configs(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                   device_name: str) -> dict[int, dict]:
+    """{token count: config} of the layer's table for this GPU ({} without one); the file also holds its
+    "device" and "measured" (provenance)."""
+    path = config_path(num_experts, hidden, intermediate, dtype, device_name)
+    if not path.exists():
+        return {}
+    return {int(tokens): config for tokens, config in json.loads(path.read_text())["tokens"].items()}
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str | None:
+    """The GPU's name; None for CPU tensors (the Triton interpreter), which take the heuristic silently."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+@functools.cache
+def _note_heuristic(device_name: str, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                    decode: bool) -> None:
+    """Say once per GPU, layer shape and side of the decode cut that no tuned config exists."""
+    path = config_path(num_experts, hidden, intermediate, dtype, device_name)
+    logger.warning("moe-dispatch: no tuned %s config for E=%d, H=%d, I=%d, %s on %s (%s configs/%s); using the "
+                   "heuristic", "decode" if decode else "grouped", num_experts, hidden, intermediate, dtype,
+                   device_name, "in" if path.exists() else "no", path.name)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: keep grids small
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+    """The smallest power of two >= n, at least 16 (tl.dot's minimum) and at most cap."""
+    return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int,
+                   device: torch.device, quantized: bool = False) -> dict:
+    """Heuristic block sizes when no tuned config exists for the shape (`quantized`: 4-bit experts, whose
+    BLOCK_K is the packed tile; `_for_weights`)."""
+    if quantized and tokens <= GEMV_MAX_TOKENS:
+        # The best of a sweep on the H200 (BLOCK_N 8-32, TILES 2-4, 1 or 3 stages; Mixtral, DeepSeek-V3, Qwen3-30B
+        # at T=1, docs/design/moe-dispatch.md): every config within ~6 % of these, so the kernels are bound by
+        # their instructions, not by the block sizes
+        return {"gate_up": {"BLOCK_N": 8, "BLOCK_K": 128, "TILES": 4, "num_warps": 4, "num_stages": 1},
+                "down": {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 4, "num_warps": 4, "num_stages": 1}}
+    if quantized:
+        config = _for_weights(default_config(tokens, num_experts, hidden, intermediate, top_k, device), True)
+        if "BLOCK_M" in config:
+            # (BLOCK_N, num_warps, num_stages) of the gate/up and the down kernel per BLOCK_M: no register spills
+            # in an sm_90 compile on the CPU (triton 3.9) for int4 (symmetric, zero points, minima) and NF4; not
+            # yet measured on a GPU
+            up, down = {16: ((64, 4, 3), (64, 4, 3)), 32: ((64, 4, 3), (64, 4, 3)), 64: ((128, 8, 3), (128, 8, 3)),
+                        128: ((32, 8, 3), (64, 8, 3))}[config["BLOCK_M"]]
+            for key, rows, (n, warps, stages) in (("gate_up", intermediate, up), ("down", hidden, down)):
+                config[key] = {**config[key], "BLOCK_N": _pow2_at_most(rows, n), "num_warps": warps,
+                               "num_stages": stages}
+        return config
+    sms = _sm_count(device)
+    if tokens <= DECODE_MAX_TOKENS:
+        active = min(num_experts, tokens * top_k)
+        # enough column blocks that each SM streams several weight slabs at once
+        n_up = next((n for n in (64, 32) if active * triton.cdiv(intermediate, n) >= 4 * sms), 16)
+        n_down = next((n for n in (64, 32) if active * triton.cdiv(hidden, n) >= 4 * sms), 16)
+        return {
+            "gate_up": {"BLOCK_N": _pow2_at_most(intermediate, n_up), "BLOCK_K": _pow2_at_most(hidden, 256),
+                        "num_warps": 4, "num_stages": 4},
+            "down": {"BLOCK_N": _pow2_at_most(hidden, n_down), "BLOCK_K": _pow2_at_most(intermediate, 256),
+                     "num_warps": 4, "num_stages": 4},
+        }
+    per_expert = tokens * top_k / num_experts
+    block_m = next((m for m in (16, 32, 64) if per_expert <= m), 128)
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages) per BLOCK_M: the winners of the H200 tuning (hubtools/bench/moe_dispatch_tune.py)
+    up_n, up_k, up_warps, up_stages, down_n, down_k, down_warps, down_stages = {
+        16: (64, 128, 4, 4, 64, 128, 4, 4), 32: (64, 128, 4, 4, 64, 128, 4, 4),
+        64: (128, 64, 4, 4, 128, 64, 4, 4), 128: (128, 64, 8, 4, 256, 64, 8, 3),
+    }[block_m]
+    return {
+        "BLOCK_M": block_m,
+        "gate_up": {"BLOCK_N": _pow2_at_most(intermediate, up_n), "BLOCK_K": _pow2_at_most(hidden, up_k),
+                    "GROUP_M": 8, "num_warps": up_warps, "num_stages": up_stages},
+        "down": {"BLOCK_N": _pow2_at_most(hidden, down_n), "BLOCK_K": _pow2_at_most(intermediate, down_k),
+                 "GROUP_M": 8, "num_warps": down_warps, "num_stages": down_stages},
+    }
+
+
+def get_config(tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int,
+               dtype: torch.dtype, device: torch.device) -> dict:
+    """The tuned config of this GPU's table at the nearest token count on the same side of the decode cut,
+    else the heuristic (said once in a warning on a GPU)."""
+    decode = tokens <= DECODE_MAX_TOKENS
+    name = _device_name(device)
+    table = _tuned_configs(num_experts, hidden, intermediate, dtype, name) if name else {}
+    tuned = {t: c for t, c in table.items() if (t <= DECODE_MAX_TOKENS) == decode}
+    if tuned:
+        return tuned[min(tuned, key=lambda t: (abs(t - tokens), t))]
+    if name:
+        _note_heuristic(name, num_experts, hidden, intermediate, dtype, decode)
+    return default_config(tokens, num_experts, hidden, intermediate, top_k, device)
+
+
+def _for_weights(config: dict, quantized: bool) -> dict:
+    """4-bit experts step through K one packed tile (128 columns) at a time, and dequantize a [BLOCK_N, 128] tile
+    in registers: BLOCK_K is 128 and BLOCK_N at most 128."""
+    return {key: {**value, "BLOCK_K": 128, "BLOCK_N": min(128, value["BLOCK_N"])} if isinstance(value, dict)
+            else value for key, value in config.items()}
+
+
+def _for_dtype(config: dict, dtype: torch.dtype) -> dict:
+    """Configs are sized for 16-bit operands; 32-bit ones get half the BLOCK_K: the same shared memory per stage."""
+    if dtype.itemsize != 4:
+        return config
+    return {key: {**value, "BLOCK_K": max(16, value["BLOCK_K"] // 2)} if isinstance(value, dict) else value
+            for key, value in config.items()}

@@ -1,0 +1,211 @@
+"""Expert kernels: the grouped GEMMs over pairs sorted by expert (large T), the decode kernels (one program per
+selected expert, T <= DECODE_MAX_TOKENS) and the combine over the top-k slots."""
+
+import triton
+import triton.language as tl
+
+from .tiles import _expert_weights, _matmul_tile, _matmul_tile_q, _quant_bases, _swiglu_tile, _swiglu_tile_q
+
+
+@triton.jit
+def _grouped_tile(pid, num_m_blocks, N, block_expert_ptr, sorted_ids_ptr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n, expert, rows, pairs) of a grouped-GEMM program; expert is -1 for unused blocks.
+
+    Programs walk GROUP_M row blocks down one column of tiles before moving right, so a weight tile is
+    read from HBM once and reused from L2 by the other row blocks of its expert.
+    """
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    expert = tl.load(block_expert_ptr + pid_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + rows)  # in bounds for every block; unused blocks return before use
+    return pid_n, expert, rows, pairs
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
+def _gate_up_grouped_kernel(
+    x_ptr, w_ptr, shared_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr,
+    num_pairs, H, I, num_m_blocks, num_routed,
+    stride_xt, stride_we, stride_wn, stride_sn, stride_se, stride_sg, stride_it,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+    GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
+):
+    """QUANT: 4-bit experts (BLOCK_K is then the packed tile, 128; w_ptr the packed words, s/z/m/cb_ptr their
+    scales, zero points, minima and codebook; no shared expert)."""
+    pid_n, expert, rows, pairs = _grouped_tile(tl.program_id(0), num_m_blocks, I, block_expert_ptr,
+                                               sorted_ids_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if expert < 0:
+        return
+    row_ok = pairs < num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    if QUANT:
+        q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, expert, stride_we, stride_se)
+        g_rows = offs_n.to(tl.int64)
+        act = _swiglu_tile_q(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :], row_ok, q_base, s_base, z_base,
+                             m_base, cb_ptr, g_rows, g_rows + I, n_ok, H, stride_wn, stride_sg, PRECISION, UPCAST,
+                             BLOCK_M, BLOCK_N, EVEN_K, NF4, HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC,
+                             x_ptr.dtype.element_ty)
+    else:
+        w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed, stride_we, stride_wn, stride_sn,
+                                           HAS_SHARED)
+        g_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None]
+        act = _swiglu_tile(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :], row_ok,
+                           g_ptrs, g_ptrs + I * stride_n, n_ok, H, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    tl.store(inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_n[None, :],
+             act.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
+def _down_grouped_kernel(
+    inter_ptr, w_ptr, shared_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
+    num_pairs, H, I, num_m_blocks, num_routed,
+    stride_it, stride_we, stride_wn, stride_sn, stride_se, stride_sg, stride_ot,
+    HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+    GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
+):
+    pid_n, expert, rows, pairs = _grouped_tile(tl.program_id(0), num_m_blocks, H, block_expert_ptr,
+                                               sorted_ids_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if expert < 0:
+        return
+    row_ok = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_k[None, :]
+    if QUANT:
+        q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, expert, stride_we, stride_se)
+        acc = _matmul_tile_q(a_ptrs, row_ok, q_base, s_base, z_base, m_base, cb_ptr, offs_n.to(tl.int64), n_ok, I,
+                             stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_M, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
+                             HAS_MIN, GROUP, SCALE_ON_ACC, inter_ptr.dtype.element_ty)
+    else:
+        w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed, stride_we, stride_wn, stride_sn,
+                                           HAS_SHARED)
+        acc = _matmul_tile(a_ptrs, row_ok, w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None], n_ok, I,
+                           PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    weight = tl.load(topk_w_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
+             (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(pairs_ptr, ids_ptr, out_ptr, H, num_experts, stride_pt, stride_ot,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over slots j, in slot order, of the weighted expert output of pair (t, j)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j)
+        picked = (e >= 0) & (e < num_experts)
+        row = tl.load(pairs_ptr + (t * TOP_K + j) * stride_pt + offs, mask=h_ok, other=0.0)
+        acc += tl.where(picked, row.to(tl.float32), 0.0)  # rows of unpicked pairs were never written
+    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+@triton.jit
+def _decode_rows(ids_ptr, e, T, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, K_POW2: tl.constexpr):
+    """For expert e: which tokens picked it, and the first slot where each did."""
+    t = tl.arange(0, BLOCK_T)
+    kcols = tl.arange(0, K_POW2)
+    ids = tl.load(ids_ptr + t[:, None] * TOP_K + kcols[None, :],
+                  mask=(t < T)[:, None] & (kcols < TOP_K)[None, :], other=-1)
+    match = ids == e
+    hit = tl.sum(match.to(tl.int32), axis=1) > 0
+    slot = tl.min(tl.where(match, kcols[None, :], K_POW2), axis=1)
+    return t, match, hit, slot
+
+
+@triton.jit
+def _first_pick(ids_ptr, s, num_pairs, num_experts, BLOCK_P: tl.constexpr):
+    """(expert of pair s, whether pair s is the first pair to pick that valid expert)."""
+    p = tl.arange(0, BLOCK_P)
+    pair_ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
+    e = tl.load(ids_ptr + s)
+    earlier = tl.sum(((pair_ids == e) & (p < s)).to(tl.int32), axis=0)
+    return e, (earlier == 0) & (e >= 0) & (e < num_experts)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gate_up_decode_kernel(
+    x_ptr, w_ptr, shared_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, inter_ptr, ids_ptr,
+    T, H, I, num_routed, num_experts,
+    stride_xt, stride_we, stride_wn, stride_sn, stride_se, stride_sg, stride_it,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, K_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
+):
+    """QUANT: 4-bit experts, streamed once per selected expert and dequantized in registers (see the grouped kernel)."""
+    e, first = _first_pick(ids_ptr, tl.program_id(0), T * TOP_K, num_experts, BLOCK_P)
+    if first:
+        t, match, hit, slot = _decode_rows(ids_ptr, e, T, TOP_K, BLOCK_T, K_POW2)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+        if QUANT:
+            q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, e, stride_we, stride_se)
+            g_rows = offs_n.to(tl.int64)
+            act = _swiglu_tile_q(a_ptrs, t < T, q_base, s_base, z_base, m_base, cb_ptr, g_rows, g_rows + I, n_ok, H,
+                                 stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_T, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
+                                 HAS_MIN, GROUP, SCALE_ON_ACC, x_ptr.dtype.element_ty)
+        else:
+            w_base, stride_n = _expert_weights(w_ptr, shared_ptr, e, num_routed, stride_we, stride_wn, stride_sn,
+                                               HAS_SHARED)
+            g_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None]
+            act = _swiglu_tile(a_ptrs, t < T, g_ptrs, g_ptrs + I * stride_n, n_ok, H, PRECISION, UPCAST, BLOCK_T,
+                               BLOCK_N, BLOCK_K, EVEN_K)
+        rows = (t * TOP_K + slot).to(tl.int64)
+        tl.store(inter_ptr + rows[:, None] * stride_it + offs_n[None, :],
+                 act.to(inter_ptr.dtype.element_ty), mask=hit[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _down_decode_kernel(
+    inter_ptr, w_ptr, shared_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, pair_out_ptr, ids_ptr, topk_w_ptr,
+    T, H, I, num_routed, num_experts,
+    stride_it, stride_we, stride_wn, stride_sn, stride_se, stride_sg, stride_pt,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, K_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
+):
+    """Down projection of one selected expert for one column block, written weighted to each slot that picked it."""
+    e, first = _first_pick(ids_ptr, tl.program_id(0), T * TOP_K, num_experts, BLOCK_P)
+    if first:
+        t, match, hit, slot = _decode_rows(ids_ptr, e, T, TOP_K, BLOCK_T, K_POW2)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        offs_k = tl.arange(0, BLOCK_K)
+        rows = (t * TOP_K + slot).to(tl.int64)
+        a_ptrs = inter_ptr + rows[:, None] * stride_it + offs_k[None, :]
+        if QUANT:
+            q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, e, stride_we, stride_se)
+            acc = _matmul_tile_q(a_ptrs, hit, q_base, s_base, z_base, m_base, cb_ptr, offs_n.to(tl.int64), n_ok, I,
+                                 stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_T, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
+                                 HAS_MIN, GROUP, SCALE_ON_ACC, inter_ptr.dtype.element_ty)
+        else:
+            w_base, stride_n = _expert_weights(w_ptr, shared_ptr, e, num_routed, stride_we, stride_wn, stride_sn,
+                                               HAS_SHARED)
+            acc = _matmul_tile(a_ptrs, hit, w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None], n_ok, I,
+                               PRECISION, UPCAST, BLOCK_T, BLOCK_N, BLOCK_K, EVEN_K)
+        kcols = tl.arange(0, K_POW2)
+        topk_w = tl.load(topk_w_ptr + t[:, None] * TOP_K + kcols[None, :], mask=match, other=0.0).to(tl.float32)
+        for j in tl.static_range(TOP_K):  # a token that names e in several slots: each slot its own weight
+            w_j = tl.sum(tl.where(kcols[None, :] == j, topk_w, 0.0), axis=1)
+            picked_j = tl.sum((match & (kcols[None, :] == j)).to(tl.int32), axis=1) > 0
+            tl.store(pair_out_ptr + (t * TOP_K + j).to(tl.int64)[:, None] * stride_pt + offs_n[None, :],
+                     (acc * w_j[:, None]).to(pair_out_ptr.dtype.element_ty), mask=picked_j[:, None] & n_ok[None, :])

@@ -1,0 +1,242 @@
+"""The launchers: routing, the experts of a layer (`experts`) and the whole layer (`moe_forward`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+
+from ..quantized import QuantizedExperts
+from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, GEMV_MAX_TOKENS, _for_dtype, _for_weights, default_config,
+                      get_config)
+from .experts import (_combine_kernel, _down_decode_kernel, _down_grouped_kernel, _gate_up_decode_kernel,
+                      _gate_up_grouped_kernel)
+from .gemv import _down_gemv_kernel, _gate_up_gemv_kernel
+from .routing import _align_kernel, _histogram_kernel, _route_kernel
+from .tiles import SCALE_ON_ACC
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 operands: three tf32 passes give fp32 accuracy on tensor cores; 16-bit operands ignore this
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _upcast_dots(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _device_guard(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _num_bins(num_experts: int) -> int:
+    return triton.next_power_of_2(num_experts)
+
+
+def route(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool, correction_bias: torch.Tensor | None,
+          num_groups: int, topk_groups: int, scaling_factor: float, *, hidden_states: torch.Tensor | None = None,
+          router_weight: torch.Tensor | None = None, shared_slot: bool = False,
+          hist: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of `logits` [T, E], or of hidden_states @ router_weight^T when those are given.
+
+    With `shared_slot` an extra last slot names expert E with weight 1; with `hist` each CHUNK_TOKENS-token
+    chunk's expert histogram is written to it (the fused path's input to the sort).
+    """
+    fused = hidden_states is not None
+    T, E = (hidden_states.shape[0], router_weight.shape[0]) if fused else logits.shape
+    out_k = top_k + int(shared_slot)
+    weights = torch.empty(T, out_k, dtype=torch.float32, device=(hidden_states if fused else logits).device)
+    ids = torch.empty(T, out_k, dtype=torch.int32, device=weights.device)
+    if T == 0:
+        return weights, ids
+    # the histogram is per CHUNK_TOKENS chunk; otherwise no more rows than tokens (decode: one row, one warp)
+    block_t = CHUNK_TOKENS if hist is not None else min(16, triton.next_power_of_2(T))
+    block_e = max(16, triton.next_power_of_2(E))
+    dummy = weights
+    with _device_guard(weights):
+        _route_kernel[(triton.cdiv(T, block_t),)](
+            dummy if fused else logits, hidden_states if fused else dummy, router_weight if fused else dummy,
+            correction_bias if correction_bias is not None else dummy, weights, ids,
+            hist if hist is not None else ids,
+            T, E, hidden_states.shape[1] if fused else 0, 0 if fused else logits.stride(0),
+            hidden_states.stride(0) if fused else 0, router_weight.stride(0) if fused else 0, scaling_factor,
+            TOP_K=top_k, OUT_K=out_k, K_POW2=triton.next_power_of_2(out_k),
+            SIGMOID=sigmoid, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
+            NUM_GROUPS=num_groups, GROUPS_POW2=triton.next_power_of_2(max(num_groups, 1)), TOPK_GROUPS=topk_groups,
+            FUSED_LOGITS=fused, WRITE_HIST=hist is not None,
+            NUM_BINS=_num_bins(E + int(shared_slot)),
+            PRECISION=_precision(router_weight.dtype if fused else torch.float16),
+            UPCAST=fused and _upcast_dots(router_weight.dtype),
+            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=64 if block_e <= 128 else 32,
+            num_warps=max(1, min(16, block_t * block_e // 512)),
+        )
+    return weights, ids
+
+
+def _words(w) -> torch.Tensor:
+    """The tensor a kernel's w_ptr points at: a dense weight, or a QuantizedExperts' packed words."""
+    return w.qweight if isinstance(w, QuantizedExperts) else w
+
+
+def _weight_args(w) -> tuple[tuple, tuple, dict]:
+    """(s, z, m, cb pointers), (stride_we, stride_wn, stride_se, stride_sg) and the format constexprs of an
+    expert weight; dense weights pass themselves for the unused pointers (QUANT=False prunes every use)."""
+    if not isinstance(w, QuantizedExperts):
+        return (w, w, w, w), (w.stride(0), w.stride(1), 0, 0), dict(QUANT=False, NF4=False, HAS_ZERO=False,
+                                                                   HAS_MIN=False, GROUP=128, SCALE_ON_ACC=False)
+    s = w.scales
+    ptrs = (s, w.zeros if w.zeros is not None else s, w.mins if w.mins is not None else s,
+            w.codebook if w.codebook is not None else s)
+    return ptrs, (w.qweight.stride(0), w.qweight.stride(1), s.stride(0), s.stride(1)), dict(
+        QUANT=True, NF4=w.codebook is not None, HAS_ZERO=w.zeros is not None, HAS_MIN=w.mins is not None,
+        GROUP=w.group_size, SCALE_ON_ACC=SCALE_ON_ACC and w.codebook is None and w.mins is None
+        and (w.group_size == -1 or w.group_size >= 128))
+
+
+def _gemv_format(fmt: dict) -> dict:
+    """The format constexprs the GEMV kernels take (they scale per group themselves: no SCALE_ON_ACC)."""
+    return {**{key: fmt[key] for key in ("NF4", "HAS_ZERO", "HAS_MIN", "GROUP")},
+            "EMULATE": os.environ.get("TRITON_INTERPRET") == "1"}
+
+
+def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
+            topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, *,
+            shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
+            hist: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Writes sum_j w[t, j] * expert_{ids[t, j]}(x[t]) into `out` [T, H].
+
+    Ids in [0, E) are routed experts, id E the shared expert when `shared_gate_up` is given, any other id
+    selects nothing. `hist` is the routing kernel's per-chunk histogram (computed here when None);
+    `config` overrides the block sizes (tuning). Inputs must be contiguous in their last dimension,
+    topk_weights and topk_ids contiguous.
+    """
+    T, H = hidden_states.shape
+    quant = isinstance(w_down, QuantizedExperts)
+    num_routed, intermediate = (w_down.num_experts, w_down.shape[1]) if quant else (w_down.shape[0], w_down.shape[2])
+    top_k = topk_ids.shape[1]
+    has_shared = shared_gate_up is not None
+    if quant and has_shared:
+        raise ValueError("shared_gate_up: a shared expert does not ride along with 4-bit experts; add it separately")
+    num_experts = num_routed + int(has_shared)
+    if T == 0:
+        return out
+    if config is None:  # the tuned tables were measured with 16-bit weights: 4-bit experts take the heuristic
+        config = (default_config(T, num_routed, H, intermediate, top_k, hidden_states.device, quantized=True) if quant
+                  else get_config(T, num_routed, H, intermediate, top_k, hidden_states.dtype, hidden_states.device))
+    config = _for_weights(config, quant) if quant else _for_dtype(config, hidden_states.dtype)
+    up, down = config["gate_up"], config["down"]
+    common = dict(HAS_SHARED=has_shared, PRECISION=_precision(hidden_states.dtype),
+                  UPCAST=_upcast_dots(hidden_states.dtype))
+    shared_gu = shared_gate_up if has_shared else _words(w_gate_up)
+    shared_dn = shared_down if has_shared else _words(w_down)
+    gu_ptrs, gu_strides, gu_format = _weight_args(w_gate_up)
+    dn_ptrs, dn_strides, dn_format = _weight_args(w_down)
+    num_pairs = T * top_k
+    device = hidden_states.device
+    pair_out = torch.empty(num_pairs, H, dtype=hidden_states.dtype, device=device)
+    with _device_guard(hidden_states):
+        if quant and T <= GEMV_MAX_TOKENS:
+            # fp32 intermediate: the down GEMV's x then needs no conversion per weight (each thread holds one row
+            # of its words, so an x conversion is not shared between rows)
+            inter = torch.empty(num_pairs, intermediate, dtype=torch.float32, device=device)
+            _gate_up_gemv_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
+                hidden_states, _words(w_gate_up), *gu_ptrs, inter, topk_ids,
+                T, H, intermediate, num_routed, hidden_states.stride(0), *gu_strides, inter.stride(0),
+                TOP_K=top_k, BLOCK_N=up["BLOCK_N"], TILES=up["TILES"], STAGES=up["num_stages"],
+                EVEN_K=H % (128 * up["TILES"]) == 0, num_warps=up["num_warps"], **_gemv_format(gu_format),
+            )
+            _down_gemv_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]))](
+                inter, _words(w_down), *dn_ptrs, pair_out, topk_ids, topk_weights,
+                T, H, intermediate, num_routed, inter.stride(0), *dn_strides, pair_out.stride(0),
+                BLOCK_N=down["BLOCK_N"], TILES=down["TILES"], STAGES=down["num_stages"],
+                EVEN_K=intermediate % (128 * down["TILES"]) == 0, num_warps=down["num_warps"],
+                **_gemv_format(dn_format),
+            )
+        elif T <= DECODE_MAX_TOKENS:
+            common.update(TOP_K=top_k, BLOCK_T=16, BLOCK_P=triton.next_power_of_2(num_pairs),
+                          K_POW2=triton.next_power_of_2(top_k))
+            inter = torch.empty(num_pairs, intermediate, dtype=hidden_states.dtype, device=device)
+            _gate_up_decode_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
+                hidden_states, _words(w_gate_up), shared_gu, *gu_ptrs, inter, topk_ids,
+                T, H, intermediate, num_routed, num_experts,
+                hidden_states.stride(0), *gu_strides[:2], shared_gu.stride(-2), *gu_strides[2:], inter.stride(0),
+                BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=H % up["BLOCK_K"] == 0,
+                num_warps=up["num_warps"], num_stages=up["num_stages"], **common, **gu_format,
+            )
+            _down_decode_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]))](
+                inter, _words(w_down), shared_dn, *dn_ptrs, pair_out, topk_ids, topk_weights,
+                T, H, intermediate, num_routed, num_experts,
+                inter.stride(0), *dn_strides[:2], shared_dn.stride(-2), *dn_strides[2:], pair_out.stride(0),
+                BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], EVEN_K=intermediate % down["BLOCK_K"] == 0,
+                num_warps=down["num_warps"], num_stages=down["num_stages"], **common, **dn_format,
+            )
+        else:
+            block_m = config["BLOCK_M"]
+            k_pow2 = triton.next_power_of_2(top_k)
+            num_bins = _num_bins(num_experts)
+            num_chunks = triton.cdiv(T, CHUNK_TOKENS)
+            if hist is None:
+                hist = torch.empty(num_chunks, num_bins, dtype=torch.int32, device=device)
+                _histogram_kernel[(num_chunks,)](topk_ids, hist, T, num_experts, TOP_K=top_k, K_POW2=k_pow2,
+                                                 CHUNK_T=CHUNK_TOKENS, NUM_BINS=num_bins)
+            max_blocks = num_pairs // block_m + min(num_experts, num_pairs)
+            sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+            block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+            _align_kernel[(num_chunks,)](
+                topk_ids, hist, sorted_ids, block_expert, T, num_experts, num_chunks, max_blocks,
+                TOP_K=top_k, K_POW2=k_pow2, CHUNK_T=CHUNK_TOKENS, NUM_BINS=num_bins, BLOCK_M=block_m,
+                HIST_ROWS=max(1, 8192 // num_bins), FILL_BLOCKS=max(16, min(128, 8192 // num_bins)), num_warps=8,
+            )
+            inter = torch.empty(max_blocks * block_m, intermediate, dtype=hidden_states.dtype, device=device)
+            _gate_up_grouped_kernel[(max_blocks * triton.cdiv(intermediate, up["BLOCK_N"]),)](
+                hidden_states, _words(w_gate_up), shared_gu, *gu_ptrs, inter, sorted_ids, block_expert,
+                num_pairs, H, intermediate, max_blocks, num_routed,
+                hidden_states.stride(0), *gu_strides[:2], shared_gu.stride(-2), *gu_strides[2:], inter.stride(0),
+                TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], GROUP_M=up["GROUP_M"],
+                EVEN_K=H % up["BLOCK_K"] == 0, num_warps=up["num_warps"], num_stages=up["num_stages"], **common,
+                **gu_format,
+            )
+            _down_grouped_kernel[(max_blocks * triton.cdiv(H, down["BLOCK_N"]),)](
+                inter, _words(w_down), shared_dn, *dn_ptrs, pair_out, sorted_ids, block_expert, topk_weights,
+                num_pairs, H, intermediate, max_blocks, num_routed,
+                inter.stride(0), *dn_strides[:2], shared_dn.stride(-2), *dn_strides[2:], pair_out.stride(0),
+                BLOCK_M=block_m, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], GROUP_M=down["GROUP_M"],
+                EVEN_K=intermediate % down["BLOCK_K"] == 0, num_warps=down["num_warps"],
+                num_stages=down["num_stages"], **common, **dn_format,
+            )
+        block_h = min(1024, triton.next_power_of_2(H))
+        _combine_kernel[(T, triton.cdiv(H, block_h))](
+            pair_out, topk_ids, out, H, num_experts, pair_out.stride(0), out.stride(0),
+            TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+        )
+    return out
+
+
+def moe_forward(hidden_states: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool,
+                correction_bias: torch.Tensor | None, num_groups: int, topk_groups: int, scaling_factor: float,
+                shared_gate_up: torch.Tensor | None, shared_down: torch.Tensor | None,
+                out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """The whole block into `out`; the shared expert (if any) must have the routed intermediate size."""
+    T = hidden_states.shape[0]
+    has_shared = shared_gate_up is not None
+    routing = (top_k, sigmoid, renormalize, correction_bias, num_groups, topk_groups, scaling_factor)
+    if T <= DECODE_MAX_TOKENS:
+        # a GEMV over all router rows needs the whole GPU: cuBLAS, then the routing kernel
+        logits = torch.nn.functional.linear(hidden_states.to(router_weight.dtype), router_weight)
+        weights, ids = route(logits, *routing, shared_slot=has_shared)
+        hist = None
+    else:
+        num_bins = _num_bins(router_weight.shape[0] + int(has_shared))
+        hist = torch.empty(triton.cdiv(T, CHUNK_TOKENS), num_bins, dtype=torch.int32, device=hidden_states.device)
+        weights, ids = route(None, *routing, hidden_states=hidden_states, router_weight=router_weight,
+                             shared_slot=has_shared, hist=hist)
+    return experts(hidden_states, w_gate_up, w_down, weights, ids, out,
+                   shared_gate_up=shared_gate_up, shared_down=shared_down, hist=hist, config=config)
