@@ -417,15 +417,19 @@ def gemma3_section(results: dict) -> list[str]:
     types = "; ".join(f"{kind} {', '.join(f'{t} x{n}' for t, n in counts.items())}"
                       for kind, counts in model["tensor_types"].items() if kind.startswith(("attn_", "ffn_"))
                       and not kind.endswith("norm"))
+    # files from before true-sequential calibration (the default since) do not record it
+    stages = ("true-sequential (each stage's Hessian with the earlier stages quantized)"
+              if calibration.get("true_sequential") else "one Hessian pass per decoder layer")
     lines = [
-        f"## Re-quantization quality: Gemma-3-270M on CPU ({env.get('cpu_threads', '?')} threads)",
+        f"## Re-quantization quality: Gemma-3-270M on CPU ({env.get('cpu_threads', '?')} threads; "
+        f"`{results['name']}-results.json`)",
         "",
         f"`examples/gemma3.py`: {model['package']} ({model['gguf_file']}), whose linear weights are mostly wider "
         f"than 4 bits (GGUF types per tensor: {types}); the 'unquantized' baseline is that file dequantized to "
         f"{model['dtype']}. Linear layers re-quantized with w4a16 (lm_head: {model['lm_head']}); RMSNorm keeps "
         "transformers' forward (Gemma's x * (1 + weight) has no hub kernel mapping). Perplexity on "
         f"`{text['file']}` (first {text['tokens']} tokens, {text['method']}, window {text['window']}, stride "
-        f"{text['stride']}). GPTQ: w4a16's, calibrated on {calibration['sequences']} sequences of "
+        f"{text['stride']}). GPTQ: w4a16's, {stages}, calibrated on {calibration['sequences']} sequences of "
         f"{calibration['tokens']} tokens ({calibration['method']}, seed {calibration['seed']}). Measured "
         f"{env['date']} (torch {env['torch']}, transformers {env['transformers']}); command: `{env['command']}`.",
         "",
@@ -525,10 +529,10 @@ def report_main(argv: list[str] | None = None) -> int:
         run = smollm2_file.name.removeprefix("e2e-smollm2-").removesuffix("-results.json")  # "cpu", "gguf-cpu"
         e2e_goals[f"SmolLM2 (e2e, {run})"] = smollm2_goals(smollm2)
         sections += smollm2_section(smollm2)
-    gemma3_file = DOCS / "e2e-gemma3-cpu-results.json"
-    if gemma3_file.exists():
+    for gemma3_file in sorted(DOCS.glob("e2e-gemma3-*results.json")):
         gemma3 = load(gemma3_file)
-        e2e_goals["Gemma-3-270M (e2e, cpu)"] = gemma3_goals(gemma3)
+        run = gemma3_file.name.removeprefix("e2e-gemma3-").removesuffix("-results.json")  # "cpu", "gptq-cpu"
+        e2e_goals[f"Gemma-3-270M (e2e, {run})"] = gemma3_goals(gemma3)
         sections += gemma3_section(gemma3)
     page = REPO_ROOT / "docs" / "RESULTS.md"
     page.write_text(package_page(all_results, sections, f"benchmarks/{plot.name}", e2e_goals))
