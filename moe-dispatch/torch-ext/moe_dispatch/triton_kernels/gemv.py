@@ -69,7 +69,7 @@ def _gemv_chunk(w, x_row, tile, live, col, rows, n_ok, K, s_base, z_base, m_base
     """sum over the 8 nibble planes of [BLOCK_N, TILES, 16] words `w` times x, per word (reduced by the caller):
     each scale group's planes summed unscaled, then scaled (and its minimum times the group's x sum added).
     Plane J is nibble J % 4 of the word's low (J < 4) or high half; planes with the same J % 4 share one sum,
-    scaled by 16**-(J % 4) once. Per channel (GROUP -1) the scale and zero are the caller's, after the K loop."""
+    scaled by 16**-(J % 4) once. Per channel (GROUP -1) the scale is the caller's, after the K loop."""
     PLANES: tl.constexpr = 8 if (GROUP == -1 or GROUP >= 128) else GROUP // 16
     words = w.to(tl.uint32, bitcast=True)
     high = words >> 16
@@ -82,9 +82,9 @@ def _gemv_chunk(w, x_row, tile, live, col, rows, n_ok, K, s_base, z_base, m_base
         else:
             offs = (tile * (128 // GROUP) + g)[None, :, None].to(tl.int64) * stride_sg + rows[:, None, None]
         ok = n_ok[:, None, None] & live[None, :, None]
-        if NF4 or HAS_MIN or (HAS_ZERO and GROUP == -1):
-            zero = 0.0  # NF4 looks codes up; minima add min * sum(x); per-channel zeros: the caller
-        elif HAS_ZERO:
+        if NF4 or HAS_MIN:
+            zero = 0.0  # NF4 looks codes up; minima add min * sum(x)
+        elif HAS_ZERO:  # per group, or per channel (offs: the rows)
             zero = tl.load(z_base + offs, mask=ok, other=0).to(tl.float32)
         else:
             zero = 8.0
@@ -138,14 +138,7 @@ def _gemv_rows(x_row, q_base, s_base, z_base, m_base, cb_ptr, rows, rows_b, n_ok
                                  stride_sg, NF4, HAS_ZERO, HAS_MIN, GROUP, EVEN_K, EMULATE)
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
     out_b = tl.sum(tl.sum(acc_b, axis=2), axis=1)
-    if GROUP == -1:  # per channel: (sum code x - zero sum x) * scale, from the parameters of each row
-        if HAS_ZERO:
-            x_total = 0.0
-            for it in range(0, num_tiles):
-                x_total += tl.sum(tl.load(x_row + it * 128 + tl.arange(0, 128), mask=it * 128 + tl.arange(0, 128) < K,
-                                          other=0.0).to(tl.float32), axis=0)
-            out -= tl.load(z_base + rows, mask=n_ok, other=0).to(tl.float32) * x_total
-            out_b -= tl.load(z_base + rows_b, mask=n_ok, other=0).to(tl.float32) * x_total
+    if GROUP == -1:  # per channel: one scale per row, applied once
         out *= tl.load(s_base + rows, mask=n_ok, other=0.0).to(tl.float32)
         out_b *= tl.load(s_base + rows_b, mask=n_ok, other=0.0).to(tl.float32)
     return out, out_b

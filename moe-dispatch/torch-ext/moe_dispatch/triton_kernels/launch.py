@@ -28,8 +28,13 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def _interpreting() -> bool:
+    """Whether the kernels run in the Triton interpreter (read at call time, as Triton does)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _upcast_dots(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    return dtype == torch.bfloat16 and _interpreting()
 
 
 def _device_guard(t: torch.Tensor):
@@ -103,7 +108,7 @@ def _weight_args(w) -> tuple[tuple, tuple, dict]:
 def _gemv_format(fmt: dict) -> dict:
     """The format constexprs the GEMV kernels take (they scale per group themselves: no SCALE_ON_ACC)."""
     return {**{key: fmt[key] for key in ("NF4", "HAS_ZERO", "HAS_MIN", "GROUP")},
-            "EMULATE": os.environ.get("TRITON_INTERPRET") == "1"}
+            "EMULATE": _interpreting()}
 
 
 def experts(hidden_states: torch.Tensor, w_gate_up, w_down,

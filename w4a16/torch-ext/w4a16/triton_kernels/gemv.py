@@ -229,15 +229,9 @@ def _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
 
     xp_J packs the x of nibbles J (low half) and J + 4 (high half). EMULATE (the interpreter, which cannot
     run inline PTX) computes the same sum in fp32 from the same packed operands."""
-    if EMULATE:
-        zero16 = -64.0 - _h2_low(zlo)  # z / 16
-        part = tl.zeros(w.shape, dtype=tl.float32)
-        for j in tl.static_range(4):
-            xp = _pick4(j, xp0, xp1, xp2, xp3)
-            lo = ((w >> (4 * j)) & 0xF).to(tl.float32) * 0.0625 - zero16
-            hi = ((w >> (16 + 4 * j)) & 0xF).to(tl.float32) * 0.0625 - zero16
-            part += lo * _h2_low(xp) + hi * _h2_low(xp >> 16)
-        return part
+    if EMULATE:  # the per-group emulation, summed
+        q0, q1, q2, q3 = _h2_word_groups(w, zlo, zhi, xp0, xp1, xp2, xp3, True)
+        return q0 + q1 + q2 + q3
     else:
         return tl.inline_asm_elementwise(_H2_ASM, "=f,r,r,r,r,r,r,r", [w, zlo, zhi, xp0, xp1, xp2, xp3],
                                          dtype=tl.float32, is_pure=True, pack=1)
@@ -500,9 +494,12 @@ def _gemv_h2_kernel(
                     x0 = x0 + x1
             part = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
             for g in tl.static_range(INT4_GROUPS):
-                s_g = tl.load(s_ptr + param_offs + g * stride_sg, mask=live[None, :], other=0.0).to(tl.float32)
-                if X_SCALED:
-                    s_g = s_g * x_scale
+                if g == 0:  # the tile's first group: `s`, loaded (and x-scaled) above
+                    s_g = s
+                else:
+                    s_g = tl.load(s_ptr + param_offs + g * stride_sg, mask=live[None, :], other=0.0).to(tl.float32)
+                    if X_SCALED:
+                        s_g = s_g * x_scale
                 part += _pick4(g, q0, q1, q2, q3) * s_g[:, :, None]
                 if HAS_MIN:  # acc is in units of 1/16 (undone after the loop): so is the minimum's term
                     low = tl.load(m_ptr + param_offs + g * stride_sg, mask=live[None, :], other=0.0).to(tl.float32)
