@@ -130,7 +130,8 @@ def test_explicit_configs_with_minima(k, config, group_size):
     _check_launch(k, x, qw, bias, config)
 
 
-HALF2_FORMATS = [(False, 128), (True, 128), (False, -1), (True, -1), (True, 256)]  # (zero_point, group_size)
+HALF2_FORMATS = [(False, 128), (True, 128), (False, -1), (True, -1), (True, 256),  # (zero_point, group_size)
+                 (False, 32), (False, 64), ("float", 32), ("float", 64), ("float", 128)]  # per-group sums (E11)
 
 
 @pytest.mark.parametrize("zero_point,group_size", HALF2_FORMATS)
@@ -150,7 +151,7 @@ def test_half2_gemv_vs_float64(k, zero_point, group_size, tiles, dtype, x_scale)
     n, kk = 3000, 5120 if group_size != -1 else 5000  # per-channel: K not a multiple of the 128 tile
     qw = k.quantize(_weight(n, kk, dtype, seed=4), group_size=group_size, zero_point=zero_point)
     x = (torch.randn(2, kk, device="cuda") * x_scale).to(dtype)
-    assert k.tuning.half2_supported(x, None, group_size)
+    assert k.tuning.half2_supported(x, None, group_size, has_mins=zero_point == "float", has_zeros=zero_point is True)
     bias = torch.randn(n, device="cuda", dtype=dtype) * x_scale
     config = {"kernel": "gemv", "tiles": 8, "num_warps": 4, "half2": True, **tiles}
     _check_launch(k, x, qw, bias, config)
