@@ -197,6 +197,16 @@ def test_half2_gemv_applies_where_supported(k):
     assert k.tuning.heuristic(1, 4096, 4096, 132)["half2"]
 
 
+def test_wgmma_config_runs_as_its_dot_config_off_hopper(k):
+    """A dot config carrying a `wgmma` override resolves to the dot plan where the Gluon kernel cannot run (here:
+    the interpreter), so a tuned table's wgmma entries never reach a GPU or format without it."""
+    x = torch.zeros(64, 4096, dtype=torch.float16)
+    config = {**k.tuning.heuristic(64, 4096, 4096, 132), "wgmma": {"block_m": 128, "block_n": 128}}
+    assert not k.tuning.wgmma_supported(x, None, 128)
+    plan = k.tuning.resolve(config, x, None, 128)
+    assert plan["kernel"] == "dot" and plan["block_m"] == config["block_m"]
+
+
 def test_nf4_takes_its_own_tensor_core_tiles(k):
     """NF4 weights keep the int4 GEMV, dequantize and M <= 16 configs; above they run 8-warp tiles, 256 x 128
     where the group scales go on the operands (E3)."""

@@ -183,6 +183,36 @@ def test_packed_dot_vs_float64(k, zero_point, group_size, dtype, block_m, block_
     _check_launch(k, x, qw, bias, config)
 
 
+WGMMA_FORMATS = [(False, 128), (True, 128), (True, 256), (False, -1), (True, -1), (False, 32), (True, 64),
+                 ("float", 32), ("float", 128)]  # (zero_point, group_size)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="wgmma is Hopper's (sm_90a)")
+@pytest.mark.parametrize("zero_point,group_size", WGMMA_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [{"block_m": 128, "block_n": 128, "num_stages": 3, "op_stages": 2},
+                                   {"block_m": 64, "block_n": 128, "num_stages": 4, "op_stages": 2}],
+                         ids=["128x128", "64x128"])
+@pytest.mark.parametrize("m", [64, 300])
+def test_wgmma_vs_float64(k, zero_point, group_size, dtype, tiles, m):
+    """The Gluon warp-specialized kernel (loader, dequantizing and MMA partitions) on poisoned outputs against
+    float64: M = 300 leaves a partial token tile, N = 3000 a partial row tile, K = 5000 (per channel) a partial
+    K-tile that TMA zero-fills; many K-tiles, so every ring slot is reused many times."""
+    n, kk = 3000, 5120 if group_size != -1 else 5000
+    qw = k.quantize(_weight(n, kk, dtype, seed=8), group_size=group_size, zero_point=zero_point)
+    x = torch.randn(m, kk, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    config = {**k.tuning.heuristic(m, n, kk, 132), "wgmma": tiles}
+    assert k.tuning.resolve(config, x, None, group_size, has_mins=zero_point == "float",
+                            has_zeros=zero_point is True)["kernel"] == "wgmma"
+    _check_launch(k, x, qw, bias, config)
+    # a race between the partitions would move the result between launches
+    first, second = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, bias, n, kk, group_size, config,
+                                             mins=qw.mins) for _ in range(2))
+    assert torch.equal(first, second)
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("swap_ab,descs", [(True, True), (True, False), (False, False)])

@@ -11,12 +11,15 @@ in by TMA; with ``num_stages`` > 1 either is software-pipelined through shared m
 see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the operand rather than the accumulator;
 ``x_desc`` / ``w_desc``: x and the weight words by TMA descriptors, where x's rows are 16-byte aligned;
 ``nf4_tables``: NF4 operands by byte permutes rather than gathers, on by default where PTX runs;
-``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default) or
+``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``wgmma``: where
+`wgmma_supported`, run the Gluon warp-specialized kernel instead, a dict of its ``block_m``, ``block_n``,
+``num_stages`` (TMA ring of words and x), ``op_stages`` (dequantized operand ring), ``dequant_regs``) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
 dtype, device and weight format, the one place where those choices are made: ``"gemv"`` becomes
-``"gemv_h2"`` (the packed-fp16 GEMV's own tiles merged in) or the portable ``"gemv"``; a dot config's
+``"gemv_h2"`` (the packed-fp16 GEMV's own tiles merged in) or the portable ``"gemv"``; a dot config with
+``wgmma`` becomes ``"wgmma"`` where that kernel applies; a dot config's
 ``packed`` / ``scale_weights`` are kept only where the format allows them; with the SwiGLU epilogue the plan
 says ``"swiglu": True`` and its row tiles pair gate and up rows. Launchers run a plan as it is.
 """
@@ -170,11 +173,35 @@ def half2_supported(x, codebook, group_size, has_mins: bool = False, has_zeros: 
     return interpreting() or (x.device.type == "cuda" and torch.version.hip is None)
 
 
+def wgmma_supported(x, codebook, group_size, swiglu: bool = False) -> bool:
+    """Whether the Gluon warp-specialized tensor-core kernel (`triton_kernels.wgmma`) applies: a Hopper GPU
+    (wgmma is sm_90a only), fp16 / bf16 activations whose rows TMA can read (16-byte aligned), int4 with scale
+    groups of 32, 64, multiples of 128 or per channel, no SwiGLU epilogue. Elsewhere its config runs as the dot
+    config it sits in."""
+    if interpreting() or x.device.type != "cuda" or torch.version.hip is not None or not _gluon_available():
+        return False
+    aligned = x.stride(-1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+    groups_ok = group_size == -1 or group_size % 128 == 0 or group_size in (32, 64)
+    return (torch.cuda.get_device_capability(x.device) == (9, 0) and x.dtype in (torch.float16, torch.bfloat16)
+            and aligned and codebook is None and groups_ok and not swiglu)
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_available() -> bool:
+    try:
+        from .triton_kernels import wgmma  # noqa: F401  (Triton builds without Gluon's Hopper ops)
+    except ImportError:
+        return False
+    return True
+
+
 def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bool = False,
             has_mins: bool = False, has_zeros: bool = False) -> dict:
     """The launch plan of `config` for activations `x` and a weight of this format (`has_mins`: int4 with float
     minima, `has_zeros`: integer zero points; see the module doc); with `swiglu` (a fused gate / up weight in the
     SwiGLU layout) for the epilogue silu(gate) * up."""
+    if config["kernel"] == "dot" and config.get("wgmma") and wgmma_supported(x, codebook, group_size, swiglu):
+        return {**config["wgmma"], "kernel": "wgmma"}
     plan = _format_plan(config, x, codebook, group_size, has_mins, has_zeros)
     if not swiglu:
         return plan

@@ -144,6 +144,32 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
         _reduce_splits(target, bias, out, n, plan.get("swiglu", False))
 
 
+def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
+    """`wgmma._wgmma_kernel` (Hopper, `tuning.wgmma_supported`): one program per (token tile, row tile), x and the
+    words by host descriptors (encoded per launch, captured by value in CUDA graphs)."""
+    # imported here: Triton builds without Gluon's Hopper ops never reach this launcher (`wgmma_supported`)
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from .wgmma import _wgmma_kernel
+
+    m = x.shape[0]
+    block_m, block_n = plan["block_m"], plan["block_n"]
+    x_type = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
+    x_desc = GluonDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 128],
+                             gl.NVMMASharedLayout.get_default_for([block_m, 128], x_type))
+    w_desc = GluonDescriptor(qweight, list(qweight.shape), [qweight.stride(0), 1], [block_n, WORDS_PER_TILE],
+                             gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE], gl.int32))
+    grid = (triton.cdiv(m, block_m), qweight.shape[0] // block_n)
+    _wgmma_kernel[grid](
+        x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(bias, scales), out,
+        m, n, qweight.shape[1] // WORDS_PER_TILE, scales.stride(0), out.stride(0),
+        GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
+        HAS_MIN=mins is not None, HAS_BIAS=bias is not None, STAGES=plan.get("num_stages", 3),
+        OP_STAGES=plan.get("op_stages", 2), DEQUANT_REGS=plan.get("dequant_regs", 96), num_warps=4,
+    )
+
+
 def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None, mins=None) -> torch.Tensor:
     """Dequantized weight ``[n, k]`` in stored K order (rows of a chunk when qweight is a row slice)."""
     if out is None:
@@ -185,7 +211,8 @@ def _launch_dequant_matmul(x, qweight, scales, zeros, mins, codebook, bias, out,
         _reduce_splits(fused[None], None, out, n, True)
 
 
-_LAUNCHERS = {"gemv": _launch_gemv, "gemv_h2": _launch_gemv_h2, "dot": _launch_dot, "dequant": _launch_dequant_matmul}
+_LAUNCHERS = {"gemv": _launch_gemv, "gemv_h2": _launch_gemv_h2, "dot": _launch_dot, "wgmma": _launch_wgmma,
+              "dequant": _launch_dequant_matmul}
 
 
 def matmul(x, qweight, scales, zeros, codebook, bias, n, k, group_size, config, out=None,

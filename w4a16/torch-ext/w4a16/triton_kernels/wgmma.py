@@ -1,0 +1,191 @@
+"""The Hopper tensor-core matmul for M >= 64, in Gluon: dequantization in warps of its own, beside the MMA.
+
+Triton's own pipeliner puts the dequantization on the warps that issue the MMA (`dot._dot_kernel`), so the
+tensor cores wait while those warps build operands (docs/design/w4a16.md, E2-E8); Triton 3.6's automatic warp
+specialization fails on dequantization loops. Here three partitions share a CTA through mbarrier rings:
+
+- a loader warp brings each 128-column K-tile by TMA: the tile's packed words ``[BLOCK_N, 16]`` and x's
+  ``[BLOCK_M, 128]`` (zero-filled past M and K);
+- four dequantizing warps turn the words into the MMA operand ``[BLOCK_N, 128]`` in x's dtype, scaled (and
+  shifted by the zero point or minimum) per group, and store it into shared memory: nibble j of word c is
+  column ``16 j + c`` (`formats`), so each nibble position is a ``[BLOCK_N, 16]`` column slice;
+- the default partition issues asynchronous wgmma on both operands from shared memory (weight rows as the MMA's
+  M, tokens as its N), releasing a tile's buffers once its MMA has retired, then writes ``out[M, N]``.
+
+Formats: int4 with scale groups of 32, 64 or multiples of 128, or per channel; integer zero points, symmetric
+or float minima; fp16 or bf16 activations. The dequantized operand is rounded to x's dtype once, as the
+dequantize + cuBLAS path rounds it (`tuning.wgmma_supported` says where this kernel applies).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+DEQUANT_WARPS = gl.constexpr(4)
+
+
+@gluon.jit
+def _load_partition(w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, num_tiles, off_n, off_m):
+    stages: gl.constexpr = w_bufs.type.shape[0]
+    for t in range(num_tiles):
+        s = t % stages
+        phase = (t // stages) & 1
+        # Barriers start in phase 0 incomplete: waiting on the opposite parity passes the first round.
+        mbarrier.wait(w_empty.index(s), phase ^ 1)
+        mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [off_n, t * 16], w_ready.index(s), w_bufs.index(s))
+        mbarrier.wait(x_empty.index(s), phase ^ 1)
+        mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [off_m, t * 128], x_ready.index(s), x_bufs.index(s))
+
+
+@gluon.constexpr_function
+def _pair_asm(j, is_fp16):
+    """PTX for nibble position `j` of two neighbouring words a, b (columns 16 j + c and 16 j + c + 1): their
+    bytes j // 2 side by side (PRMT), the nibble under an exponent ((p & 0x000f000f) | magic: 1024 + q in fp16,
+    128 + q in bf16), then ``(v - shift) * scale + addend`` on the pair: two operand values in one register."""
+    byte = j // 2
+    select = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
+    kind = "f16x2" if is_fp16 else "bf16x2"
+    magic = 0x64006400 if is_fp16 else 0x43004300
+    shift = "shr.u32 p, p, 4;" if j % 2 else ""
+    return (f"{{ .reg .b32 p; prmt.b32 p, $1, $2, {select:#x}; {shift} "
+            f"lop3.b32 p, p, 0x000f000f, {magic:#x}, 0xea; sub.{kind} p, p, $3; fma.rn.{kind} $0, p, $4, $5; }}")
+
+
+@gluon.jit
+def _pair(v):
+    """Two copies of each 16-bit value packed into one 32-bit register (an operand of the f16x2 / bf16x2 ops)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [v], gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _dequant_partition(w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_ptr, z_ptr, m_ptr,
+                       num_tiles, off_n, s_stride,
+                       GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
+                       HAS_MIN: gl.constexpr):
+    stages: gl.constexpr = w_bufs.type.shape[0]
+    op_stages: gl.constexpr = op_bufs.type.shape[0]
+    block_n: gl.constexpr = w_bufs.type.shape[1]
+    dtype: gl.constexpr = op_bufs.dtype
+    is_fp16: gl.constexpr = dtype == gl.float16
+    # the value under the exponent's bits: 1024 + q (fp16), 128 + q (bf16)
+    magic_value: gl.constexpr = 1024.0 if is_fp16 else 128.0
+    # each thread 8 consecutive words of a row: per nibble position the 8 columns of one 16-byte store
+    words_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [gl.num_warps(), 1], [1, 0])
+    # the words as (even, odd) neighbours: [block_n, 8, 2] split into two [block_n, 8]
+    pairs_layout: gl.constexpr = gl.BlockedLayout([1, 4, 2], [16, 2, 1], [gl.num_warps(), 1, 1], [2, 1, 0])
+    row_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, pairs_layout))
+    rows = off_n + gl.arange(0, block_n, layout=row_layout)
+    for t in range(num_tiles):
+        s = t % stages
+        mbarrier.wait(w_ready.index(s), (t // stages) & 1)
+        words = w_bufs.index(s).load(words_layout)
+        # order this generic-proxy read before the loader's next TMA write of the slot
+        fence_async_shared()
+        mbarrier.arrive(w_empty.index(s), count=1)
+        even, odd = gl.split(words.reshape([block_n, 8, 2]))
+        d = t % op_stages
+        mbarrier.wait(op_empty.index(d), ((t // op_stages) & 1) ^ 1)
+        # the operand tile as 32-bit pairs of columns (the same bytes and swizzle): the pairs are stored as made
+        op = op_bufs.index(d)._reinterpret(gl.int32, [block_n, 64], gl.NVMMASharedLayout(128, 32))
+        for j in gl.static_range(8):
+            if j == 0 or (GROUP < 128 and not PER_CHANNEL and (16 * j) % GROUP == 0):
+                g = 0 if PER_CHANNEL else (t * 128 + 16 * j) // GROUP
+                scale = _pair(gl.load(s_ptr + g * s_stride + rows).to(dtype))
+                if HAS_ZERO:
+                    shift = _pair(gl.load(z_ptr + g * s_stride + rows).to(dtype) + magic_value)
+                else:
+                    shift = _pair(gl.full([block_n], magic_value + (0.0 if HAS_MIN else 8.0), dtype, row_layout))
+                if HAS_MIN:
+                    addend = _pair(gl.load(m_ptr + g * s_stride + rows).to(dtype))
+                else:
+                    addend = _pair(gl.full([block_n], 0.0, dtype, row_layout))
+            # (v - shift) exact (integers below 2^11); the fma rounds once, as dequantize + cuBLAS does
+            pairs = gl.inline_asm_elementwise(_pair_asm(j, is_fp16), "=r,r,r,r,r,r",
+                                              [even, odd, shift[:, None], scale[:, None], addend[:, None]],
+                                              gl.int32, is_pure=True, pack=1)
+            op.slice(8 * j, 8, dim=1).store(pairs)
+        # order the generic-proxy stores before the MMA's async-proxy reads
+        fence_async_shared()
+        mbarrier.arrive(op_ready.index(d), count=1)
+
+
+@gluon.jit
+def _mma_partition(x_bufs, op_bufs, x_ready, x_empty, op_ready, op_empty, num_tiles,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    stages: gl.constexpr = x_bufs.type.shape[0]
+    op_stages: gl.constexpr = op_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+    for t in range(num_tiles):
+        s = t % stages
+        d = t % op_stages
+        mbarrier.wait(op_ready.index(d), (t // op_stages) & 1)
+        mbarrier.wait(x_ready.index(s), (t // stages) & 1)
+        acc = warpgroup_mma(op_bufs.index(d), x_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        # the previous tile's MMA has retired: its buffers go back to the loader and the dequantizing warps
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        prev = t + stages - 1
+        mbarrier.arrive(x_empty.index(prev % stages), count=1, pred=t > 0)
+        mbarrier.arrive(op_empty.index((t + op_stages - 1) % op_stages), count=1, pred=t > 0)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return (acc,)  # a partition returns a tuple of tensors
+
+
+@gluon.jit
+def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, s_stride, out_stride,
+                  GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, OP_STAGES: gl.constexpr,
+                  DEQUANT_REGS: gl.constexpr):
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    off_m = gl.program_id(0) * BLOCK_M
+    off_n = gl.program_id(1) * BLOCK_N
+
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dtype)
+    op_bufs = gl.allocate_shared_memory(dtype, [OP_STAGES, BLOCK_N, 128], op_layout)
+    w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    op_ready = gl.allocate_shared_memory(gl.int64, [OP_STAGES, 1], mbarrier.MBarrierLayout())
+    op_empty = gl.allocate_shared_memory(gl.int64, [OP_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(w_ready.index(i), count=1)
+        mbarrier.init(w_empty.index(i), count=1)
+        mbarrier.init(x_ready.index(i), count=1)
+        mbarrier.init(x_empty.index(i), count=1)
+    for i in gl.static_range(OP_STAGES):
+        mbarrier.init(op_ready.index(i), count=1)
+        mbarrier.init(op_empty.index(i), count=1)
+
+    (acc,) = gl.warp_specialize([
+        (_mma_partition, (x_bufs, op_bufs, x_ready, x_empty, op_ready, op_empty, num_tiles, BLOCK_M, BLOCK_N)),
+        (_load_partition, (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, num_tiles, off_n,
+                           off_m)),
+        (_dequant_partition, (w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_ptr, z_ptr, m_ptr, num_tiles,
+                              off_n, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN)),
+    ], [1, DEQUANT_WARPS], [24, DEQUANT_REGS])
+
+    # out[m, n] = acc[n, m]: a layout with 8 consecutive n per thread, for 16-byte stores
+    out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, gl.num_warps()], [0, 1])
+    result = gl.convert_layout(acc, out_layout)
+    n_idx = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    m_idx = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    if HAS_BIAS:
+        result = result + gl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(gl.float32)[:, None]
+    mask = (n_idx[:, None] < N) & (m_idx[None, :] < M)
+    gl.store(out_ptr + m_idx[None, :] * out_stride + n_idx[:, None], result.to(dtype), mask=mask)
