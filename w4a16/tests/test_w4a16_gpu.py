@@ -192,8 +192,9 @@ WGMMA_FORMATS = [(False, 128), (True, 128), (True, 256), (False, -1), (True, -1)
 @pytest.mark.parametrize("zero_point,group_size", WGMMA_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tiles", [{"block_m": 128, "block_n": 128, "num_stages": 3, "op_stages": 2},
-                                   {"block_m": 64, "block_n": 128, "num_stages": 4, "op_stages": 2}],
-                         ids=["128x128", "64x128"])
+                                   {"block_m": 64, "block_n": 128, "num_stages": 4, "op_stages": 2, "split_k": 3,
+                                    "dequant_parts": 1}],
+                         ids=["128x128", "64x128-split3-one-dequant-partition"])
 @pytest.mark.parametrize("m", [64, 300])
 def test_wgmma_vs_float64(k, zero_point, group_size, dtype, tiles, m):
     """The Gluon warp-specialized kernel (loader, dequantizing and MMA partitions) on poisoned outputs against

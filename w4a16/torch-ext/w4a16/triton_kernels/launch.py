@@ -155,19 +155,26 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
 
     m = x.shape[0]
     block_m, block_n = plan["block_m"], plan["block_n"]
+    num_tiles = qweight.shape[1] // WORDS_PER_TILE
+    per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
+    splits = triton.cdiv(num_tiles, per_split)
+    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     x_type = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
     x_desc = GluonDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 128],
                              gl.NVMMASharedLayout.get_default_for([block_m, 128], x_type))
     w_desc = GluonDescriptor(qweight, list(qweight.shape), [qweight.stride(0), 1], [block_n, WORDS_PER_TILE],
                              gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE], gl.int32))
-    grid = (triton.cdiv(m, block_m), qweight.shape[0] // block_n)
+    grid = (triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)
     _wgmma_kernel[grid](
-        x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(bias, scales), out,
-        m, n, qweight.shape[1] // WORDS_PER_TILE, scales.stride(0), out.stride(0),
+        x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(bias, scales), target,
+        m, n, num_tiles, per_split, scales.stride(0), target.stride(-2),
         GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
-        HAS_MIN=mins is not None, HAS_BIAS=bias is not None, STAGES=plan.get("num_stages", 3),
-        OP_STAGES=plan.get("op_stages", 2), DEQUANT_REGS=plan.get("dequant_regs", 96), num_warps=4,
+        HAS_MIN=mins is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1, STAGES=plan.get("num_stages", 3),
+        OP_STAGES=plan.get("op_stages", 2), DEQUANT_PARTS=plan.get("dequant_parts", 2),
+        DEQUANT_REGS=plan.get("dequant_regs", 96), num_warps=4,
     )
+    if splits > 1:
+        _reduce_splits(target, bias, out, n, False)
 
 
 def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None, mins=None) -> torch.Tensor:

@@ -33,7 +33,8 @@ DEQUANT_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
-def _load_partition(w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, num_tiles, off_n, off_m):
+def _load_partition(w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, num_tiles, off_n,
+                    off_m):
     stages: gl.constexpr = w_bufs.type.shape[0]
     for t in range(num_tiles):
         s = t % stages
@@ -41,10 +42,10 @@ def _load_partition(w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x
         # Barriers start in phase 0 incomplete: waiting on the opposite parity passes the first round.
         mbarrier.wait(w_empty.index(s), phase ^ 1)
         mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [off_n, t * 16], w_ready.index(s), w_bufs.index(s))
+        tma.async_copy_global_to_shared(w_desc, [off_n, (tile0 + t) * 16], w_ready.index(s), w_bufs.index(s))
         mbarrier.wait(x_empty.index(s), phase ^ 1)
         mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [off_m, t * 128], x_ready.index(s), x_bufs.index(s))
+        tma.async_copy_global_to_shared(x_desc, [off_m, (tile0 + t) * 128], x_ready.index(s), x_bufs.index(s))
 
 
 @gluon.constexpr_function
@@ -68,24 +69,45 @@ def _pair(v):
 
 
 @gluon.jit
+def _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
+                  dtype: gl.constexpr):
+    """One group's (scale, shift, addend) pairs for `rows`: ``(v - shift) * scale + addend`` is the weight of
+    v = magic + code (`_pair_asm`)."""
+    magic_value: gl.constexpr = 1024.0 if dtype == gl.float16 else 128.0
+    scale = gl.load(s_ptr + g * s_stride + rows).to(dtype)
+    if HAS_ZERO:
+        shift = gl.load(z_ptr + g * s_stride + rows).to(dtype) + magic_value
+    else:
+        shift = gl.zeros_like(scale) + (magic_value + (0.0 if HAS_MIN else 8.0))
+    if HAS_MIN:
+        addend = gl.load(m_ptr + g * s_stride + rows).to(dtype)
+    else:
+        addend = gl.zeros_like(scale)
+    return _pair(scale), _pair(shift), _pair(addend)
+
+
+@gluon.jit
 def _dequant_partition(w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_ptr, z_ptr, m_ptr,
-                       num_tiles, off_n, s_stride,
+                       tile0, num_tiles, off_n, s_stride,
                        GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
-                       HAS_MIN: gl.constexpr):
+                       HAS_MIN: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr):
+    """Tiles FIRST, FIRST + STEP, ...: with STEP partitions taking turns, one's loads wait while another computes."""
     stages: gl.constexpr = w_bufs.type.shape[0]
     op_stages: gl.constexpr = op_bufs.type.shape[0]
     block_n: gl.constexpr = w_bufs.type.shape[1]
     dtype: gl.constexpr = op_bufs.dtype
     is_fp16: gl.constexpr = dtype == gl.float16
-    # the value under the exponent's bits: 1024 + q (fp16), 128 + q (bf16)
-    magic_value: gl.constexpr = 1024.0 if is_fp16 else 128.0
     # each thread 8 consecutive words of a row: per nibble position the 8 columns of one 16-byte store
     words_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [gl.num_warps(), 1], [1, 0])
     # the words as (even, odd) neighbours: [block_n, 8, 2] split into two [block_n, 8]
     pairs_layout: gl.constexpr = gl.BlockedLayout([1, 4, 2], [16, 2, 1], [gl.num_warps(), 1, 1], [2, 1, 0])
-    row_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, pairs_layout))
-    rows = off_n + gl.arange(0, block_n, layout=row_layout)
-    for t in range(num_tiles):
+    rows = off_n + gl.arange(0, block_n, layout=gl.SliceLayout(1, gl.SliceLayout(2, pairs_layout)))
+    one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
+    for t in range(FIRST, num_tiles, STEP):
+        tile = tile0 + t
+        if one_group:  # issued before the barrier waits, so its latency overlaps them
+            scale, shift, addend = _group_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP,
+                                                 s_stride, rows, HAS_ZERO, HAS_MIN, dtype)
         s = t % stages
         mbarrier.wait(w_ready.index(s), (t // stages) & 1)
         words = w_bufs.index(s).load(words_layout)
@@ -98,17 +120,9 @@ def _dequant_partition(w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_
         # the operand tile as 32-bit pairs of columns (the same bytes and swizzle): the pairs are stored as made
         op = op_bufs.index(d)._reinterpret(gl.int32, [block_n, 64], gl.NVMMASharedLayout(128, 32))
         for j in gl.static_range(8):
-            if j == 0 or (GROUP < 128 and not PER_CHANNEL and (16 * j) % GROUP == 0):
-                g = 0 if PER_CHANNEL else (t * 128 + 16 * j) // GROUP
-                scale = _pair(gl.load(s_ptr + g * s_stride + rows).to(dtype))
-                if HAS_ZERO:
-                    shift = _pair(gl.load(z_ptr + g * s_stride + rows).to(dtype) + magic_value)
-                else:
-                    shift = _pair(gl.full([block_n], magic_value + (0.0 if HAS_MIN else 8.0), dtype, row_layout))
-                if HAS_MIN:
-                    addend = _pair(gl.load(m_ptr + g * s_stride + rows).to(dtype))
-                else:
-                    addend = _pair(gl.full([block_n], 0.0, dtype, row_layout))
+            if not one_group and (16 * j) % GROUP == 0:
+                scale, shift, addend = _group_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride,
+                                                     rows, HAS_ZERO, HAS_MIN, dtype)
             # (v - shift) exact (integers below 2^11); the fma rounds once, as dequantize + cuBLAS does
             pairs = gl.inline_asm_elementwise(_pair_asm(j, is_fp16), "=r,r,r,r,r,r",
                                               [even, odd, shift[:, None], scale[:, None], addend[:, None]],
@@ -120,9 +134,10 @@ def _dequant_partition(w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_
 
 
 @gluon.jit
-def _mma_partition(x_bufs, op_bufs, x_ready, x_empty, op_ready, op_empty, num_tiles,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _mma_partition(x_bufs, op_bufs, x_ready, x_empty, op_ready, op_empty, num_tiles):
     stages: gl.constexpr = x_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = op_bufs.type.shape[1]
     op_stages: gl.constexpr = op_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BLOCK_M, 16])
@@ -143,15 +158,20 @@ def _mma_partition(x_bufs, op_bufs, x_ready, x_empty, op_ready, op_empty, num_ti
 
 
 @gluon.jit
-def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, s_stride, out_stride,
-                  GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, OP_STAGES: gl.constexpr,
-                  DEQUANT_REGS: gl.constexpr):
+def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split, s_stride,
+                  out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
+                  HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
+                  OP_STAGES: gl.constexpr, DEQUANT_PARTS: gl.constexpr, DEQUANT_REGS: gl.constexpr):
+    """Program (token tile, row tile, K split): K-tiles [split * per_split, ...) of `num_tiles`; with PARTIAL its
+    fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction)."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
     off_m = gl.program_id(0) * BLOCK_M
     off_n = gl.program_id(1) * BLOCK_N
+    split = gl.program_id(2)
+    tile0 = split * per_split
+    tiles = gl.minimum(per_split, num_tiles - tile0)
 
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -172,20 +192,33 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, 
         mbarrier.init(op_ready.index(i), count=1)
         mbarrier.init(op_empty.index(i), count=1)
 
-    (acc,) = gl.warp_specialize([
-        (_mma_partition, (x_bufs, op_bufs, x_ready, x_empty, op_ready, op_empty, num_tiles, BLOCK_M, BLOCK_N)),
-        (_load_partition, (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, num_tiles, off_n,
-                           off_m)),
-        (_dequant_partition, (w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_ptr, z_ptr, m_ptr, num_tiles,
-                              off_n, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN)),
-    ], [1, DEQUANT_WARPS], [24, DEQUANT_REGS])
+    mma_args = (x_bufs, op_bufs, x_ready, x_empty, op_ready, op_empty, tiles)
+    load_args = (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles, off_n, off_m)
+    if DEQUANT_PARTS == 1:
+        (acc,) = gl.warp_specialize([
+            (_mma_partition, mma_args), (_load_partition, load_args),
+            (_dequant_partition, (w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_ptr, z_ptr, m_ptr, tile0,
+                                  tiles, off_n, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, 0, 1)),
+        ], [1, DEQUANT_WARPS], [24, DEQUANT_REGS])
+    else:  # two dequantizing partitions taking turns over the K-tiles
+        (acc,) = gl.warp_specialize([
+            (_mma_partition, mma_args), (_load_partition, load_args),
+            (_dequant_partition, (w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_ptr, z_ptr, m_ptr, tile0,
+                                  tiles, off_n, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, 0, 2)),
+            (_dequant_partition, (w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_ptr, z_ptr, m_ptr, tile0,
+                                  tiles, off_n, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, 1, 2)),
+        ], [1, DEQUANT_WARPS, DEQUANT_WARPS], [24, DEQUANT_REGS, DEQUANT_REGS])
 
     # out[m, n] = acc[n, m]: a layout with 8 consecutive n per thread, for 16-byte stores
     out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, gl.num_warps()], [0, 1])
     result = gl.convert_layout(acc, out_layout)
     n_idx = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     m_idx = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
-    if HAS_BIAS:
+    if HAS_BIAS and not PARTIAL:
         result = result + gl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(gl.float32)[:, None]
     mask = (n_idx[:, None] < N) & (m_idx[None, :] < M)
-    gl.store(out_ptr + m_idx[None, :] * out_stride + n_idx[:, None], result.to(dtype), mask=mask)
+    offsets = m_idx.to(gl.int64)[None, :] * out_stride + n_idx[:, None]
+    if PARTIAL:
+        gl.store(out_ptr + split.to(gl.int64) * M * N + offsets, result, mask=mask)
+    else:
+        gl.store(out_ptr + offsets, result.to(dtype), mask=mask)
