@@ -71,7 +71,7 @@ def _pair(v):
 @gluon.jit
 def _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
                   dtype: gl.constexpr):
-    """One group's (scale, shift, addend) pairs for `rows`: ``(v - shift) * scale + addend`` is the weight of
+    """One group's (scale, shift, addend) for `rows`: ``(v - shift) * scale + addend`` is the weight of
     v = magic + code (`_pair_asm`)."""
     magic_value: gl.constexpr = 1024.0 if dtype == gl.float16 else 128.0
     scale = gl.load(s_ptr + g * s_stride + rows).to(dtype)
@@ -83,6 +83,11 @@ def _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr
         addend = gl.load(m_ptr + g * s_stride + rows).to(dtype)
     else:
         addend = gl.zeros_like(scale)
+    return scale, shift, addend
+
+
+@gluon.jit
+def _paired(scale, shift, addend):
     return _pair(scale), _pair(shift), _pair(addend)
 
 
@@ -108,6 +113,7 @@ def _dequant_partition(w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_
         if one_group:  # issued before the barrier waits, so its latency overlaps them
             scale, shift, addend = _group_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP,
                                                  s_stride, rows, HAS_ZERO, HAS_MIN, dtype)
+            scale, shift, addend = _paired(scale, shift, addend)
         s = t % stages
         mbarrier.wait(w_ready.index(s), (t // stages) & 1)
         words = w_bufs.index(s).load(words_layout)
@@ -123,6 +129,7 @@ def _dequant_partition(w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_
             if not one_group and (16 * j) % GROUP == 0:
                 scale, shift, addend = _group_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride,
                                                      rows, HAS_ZERO, HAS_MIN, dtype)
+                scale, shift, addend = _paired(scale, shift, addend)
             # (v - shift) exact (integers below 2^11); the fma rounds once, as dequantize + cuBLAS does
             pairs = gl.inline_asm_elementwise(_pair_asm(j, is_fp16), "=r,r,r,r,r,r",
                                               [even, odd, shift[:, None], scale[:, None], addend[:, None]],
@@ -155,6 +162,27 @@ def _mma_partition(x_bufs, op_bufs, x_ready, x_empty, op_ready, op_empty, num_ti
         mbarrier.arrive(op_empty.index((t + op_stages - 1) % op_stages), count=1, pred=t > 0)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return (acc,)  # a partition returns a tuple of tensors
+
+
+@gluon.jit
+def _store_out(acc, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HAS_BIAS: gl.constexpr,
+               PARTIAL: gl.constexpr, dtype: gl.constexpr):
+    """``out[m, n] = acc[n, m] (+ bias[n])``, or with PARTIAL the fp32 sums into ``out[split]``."""
+    BLOCK_N: gl.constexpr = acc.type.shape[0]
+    BLOCK_M: gl.constexpr = acc.type.shape[1]
+    # a layout with 8 consecutive n per thread, for 16-byte stores
+    out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, gl.num_warps()], [0, 1])
+    result = gl.convert_layout(acc, out_layout)
+    n_idx = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    m_idx = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    if HAS_BIAS and not PARTIAL:
+        result = result + gl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(gl.float32)[:, None]
+    mask = (n_idx[:, None] < N) & (m_idx[None, :] < M)
+    offsets = m_idx.to(gl.int64)[None, :] * out_stride + n_idx[:, None]
+    if PARTIAL:
+        gl.store(out_ptr + split.to(gl.int64) * M * N + offsets, result, mask=mask)
+    else:
+        gl.store(out_ptr + offsets, result.to(dtype), mask=mask)
 
 
 @gluon.jit
@@ -209,16 +237,90 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, 
                                   tiles, off_n, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, 1, 2)),
         ], [1, DEQUANT_WARPS, DEQUANT_WARPS], [24, DEQUANT_REGS, DEQUANT_REGS])
 
-    # out[m, n] = acc[n, m]: a layout with 8 consecutive n per thread, for 16-byte stores
-    out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, gl.num_warps()], [0, 1])
-    result = gl.convert_layout(acc, out_layout)
-    n_idx = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
-    m_idx = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
-    if HAS_BIAS and not PARTIAL:
-        result = result + gl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(gl.float32)[:, None]
-    mask = (n_idx[:, None] < N) & (m_idx[None, :] < M)
-    offsets = m_idx.to(gl.int64)[None, :] * out_stride + n_idx[:, None]
-    if PARTIAL:
-        gl.store(out_ptr + split.to(gl.int64) * M * N + offsets, result, mask=mask)
-    else:
-        gl.store(out_ptr + offsets, result.to(dtype), mask=mask)
+    _store_out(acc, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
+
+
+@gluon.jit
+def _rs_consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, tile0, num_tiles,
+                           off_n, s_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
+                           HAS_MIN: gl.constexpr):
+    """Dequantization into the MMA's register operand, beside the previous chunk's asynchronous MMA: the words are
+    loaded in the operand's own layout (a thread holds the words of the K columns its fragment needs: word c of a
+    row is column 16 j + c of K-chunk j), so each 16-column chunk j is the words' nibble j, dequantized in place."""
+    stages: gl.constexpr = w_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
+    dtype: gl.constexpr = x_bufs.dtype
+    is_fp16: gl.constexpr = dtype == gl.float16
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+    prev = gl.zeros([BLOCK_N, 16], dtype, layout=a_layout)
+    one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
+    for t in range(num_tiles):
+        tile = tile0 + t
+        if one_group:  # issued before the barrier waits, so its latency overlaps them
+            scale, shift, addend = _group_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP,
+                                                 s_stride, rows, HAS_ZERO, HAS_MIN, dtype)
+        s = t % stages
+        phase = (t // stages) & 1
+        mbarrier.wait(w_ready.index(s), phase)
+        words = w_bufs.index(s).load(a_layout)
+        fence_async_shared()
+        mbarrier.arrive(w_empty.index(s), count=1)
+        mbarrier.wait(x_ready.index(s), phase)
+        x_tile = x_bufs.index(s)
+        for j in gl.static_range(8):
+            if not one_group and (16 * j) % GROUP == 0:
+                scale, shift, addend = _group_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride,
+                                                     rows, HAS_ZERO, HAS_MIN, dtype)
+            # neighbouring words are neighbouring K columns: two elements per call, one register of two values
+            a = gl.inline_asm_elementwise(_pair_asm(j, is_fp16), "=r,r,r,r,r,r",
+                                          [words, shift[:, None], scale[:, None], addend[:, None]],
+                                          x_bufs.dtype, is_pure=True, pack=2)
+            acc = warpgroup_mma(a, x_tile.slice(16 * j, 16, dim=1).permute((1, 0)), acc, is_async=True)
+            # retires the chunk before, whose operand registers (prev) stay live until here; at a tile's first
+            # chunk that is the previous tile's last, so its x slot goes back to the loader
+            acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
+            if j == 0:
+                mbarrier.arrive(x_empty.index((t + stages - 1) % stages), count=1, pred=t > 0)
+            prev = a
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return (acc,)
+
+
+@gluon.jit
+def _wgmma_rs_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split, s_stride,
+                     out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
+                     HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr):
+    """As `_wgmma_kernel`, with the default partition's warpgroups dequantizing into their register operand (RS
+    wgmma) instead of a shared-memory operand ring: weight rows BLOCK_N = 16 x num_warps."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    off_m = gl.program_id(0) * BLOCK_M
+    off_n = gl.program_id(1) * BLOCK_N
+    split = gl.program_id(2)
+    tile0 = split * per_split
+    tiles = gl.minimum(per_split, num_tiles - tile0)
+
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(w_ready.index(i), count=1)
+        mbarrier.init(w_empty.index(i), count=1)
+        mbarrier.init(x_ready.index(i), count=1)
+        mbarrier.init(x_empty.index(i), count=1)
+    (acc,) = gl.warp_specialize([
+        (_rs_consumer_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, tile0,
+                                  tiles, off_n, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN)),
+        (_load_partition, (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles, off_n,
+                           off_m)),
+    ], [1], [24])
+    _store_out(acc, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
