@@ -194,9 +194,9 @@ WGMMA_FORMATS = [(False, 128), (True, 128), (True, 256), (False, -1), (True, -1)
 @pytest.mark.parametrize("tiles", [{"block_m": 128, "block_n": 128, "num_stages": 3, "op_stages": 2},
                                    {"block_m": 64, "block_n": 128, "num_stages": 4, "op_stages": 2, "split_k": 3,
                                     "dequant_parts": 1},
-                                   {"rs": True, "block_m": 128, "num_warps": 8, "num_stages": 4},
-                                   {"rs": True, "block_m": 64, "num_warps": 4, "num_stages": 4, "split_k": 3}],
-                         ids=["128x128", "64x128-split3-one-dequant-partition", "rs-128x128", "rs-64x64-split3"])
+                                   {"rs": True, "block_m": 128, "num_stages": 4},
+                                   {"rs": True, "block_m": 64, "num_stages": 4, "split_k": 3}],
+                         ids=["128x128", "64x128-split3-one-dequant-partition", "rs-128x128", "rs-64x128-split3"])
 @pytest.mark.parametrize("m", [64, 300])
 def test_wgmma_vs_float64(k, zero_point, group_size, dtype, tiles, m):
     """The Gluon warp-specialized kernels (a TMA loader beside dequantizing and MMA partitions, or beside

@@ -14,7 +14,7 @@ see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the op
 ``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``wgmma``: where
 `wgmma_supported`, run a Gluon warp-specialized kernel instead, a dict of its ``block_m``, ``num_stages`` (TMA
 ring of words and x), ``split_k`` and either ``block_n``, ``op_stages`` (dequantized operand ring in shared
-memory), ``dequant_parts``, ``dequant_regs``, or ``rs`` with ``num_warps`` (the operand in registers)) or
+memory), ``dequant_parts``, ``dequant_regs``, or ``rs`` (the operand in registers, 128 rows)) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation

@@ -146,7 +146,7 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
 
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     """`wgmma._wgmma_kernel` (operand ring in shared memory) or with ``rs`` `wgmma._wgmma_rs_kernel` (operand in
-    registers; ``block_n`` = 16 x ``num_warps``), Hopper only (`tuning.wgmma_supported`): one program per (token
+    registers, 128 rows), Hopper only (`tuning.wgmma_supported`): one program per (token
     tile, row tile, K split), x and the words by host descriptors (encoded per launch, captured by value in CUDA
     graphs)."""
     # imported here: Triton builds without Gluon's Hopper ops never reach this launcher (`wgmma_supported`)
@@ -157,8 +157,7 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
 
     m = x.shape[0]
     rs = bool(plan.get("rs", False))
-    num_warps = plan.get("num_warps", 8 if rs else 4)
-    block_m, block_n = plan["block_m"], 16 * num_warps if rs else plan["block_n"]
+    block_m, block_n = plan["block_m"], 128 if rs else plan["block_n"]
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
     splits = triton.cdiv(num_tiles, per_split)
@@ -173,7 +172,7 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
             m, n, num_tiles, per_split, scales.stride(0), target.stride(-2))
     flags = dict(GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1,
                  HAS_ZERO=zeros is not None, HAS_MIN=mins is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
-                 STAGES=plan.get("num_stages", 3), num_warps=num_warps)
+                 STAGES=plan.get("num_stages", 3), num_warps=4)
     if rs:
         _wgmma_rs_kernel[grid](*args, **flags)
     else:

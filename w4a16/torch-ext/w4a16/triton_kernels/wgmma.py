@@ -241,62 +241,81 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, 
 
 
 @gluon.jit
+def _rs_half_operand(words, j: gl.constexpr, scale, shift, addend):
+    """K-chunk j of a 64-row half: nibble j of the words held in the operand's layout, dequantized in place
+    (neighbouring words are neighbouring K columns: two elements per PTX call, one register of two values)."""
+    return gl.inline_asm_elementwise(_pair_asm(j, scale.dtype == gl.float16), "=r,r,r,r,r,r",
+                                     [words, shift[:, None], scale[:, None], addend[:, None]],
+                                     scale.dtype, is_pure=True, pack=2)
+
+
+@gluon.jit
 def _rs_consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, tile0, num_tiles,
                            off_n, s_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
                            HAS_MIN: gl.constexpr):
-    """Dequantization into the MMA's register operand, beside the previous chunk's asynchronous MMA: the words are
+    """Dequantization into the MMA's register operand beside the previous chunk's asynchronous MMA. The words are
     loaded in the operand's own layout (a thread holds the words of the K columns its fragment needs: word c of a
-    row is column 16 j + c of K-chunk j), so each 16-column chunk j is the words' nibble j, dequantized in place."""
+    row is column 16 j + c of K-chunk j), so each 16-column chunk j is the words' nibble j, dequantized in place.
+    The 128 rows run as two 64-row halves with accumulators of their own: one warpgroup's 128-row operand (two
+    MMA repetitions) makes ptxas serialize every wgmma ("non wgmma instructions defining accumulator registers"),
+    two one-repetition chains do not."""
     stages: gl.constexpr = w_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
     dtype: gl.constexpr = x_bufs.dtype
-    is_fp16: gl.constexpr = dtype == gl.float16
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-    prev = gl.zeros([BLOCK_N, 16], dtype, layout=a_layout)
+    rows0 = off_n + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
+    rows1 = rows0 + 64
+    acc0 = gl.zeros([64, BLOCK_M], gl.float32, layout=acc_layout)
+    acc1 = gl.zeros([64, BLOCK_M], gl.float32, layout=acc_layout)
+    prev0 = gl.zeros([64, 16], dtype, layout=a_layout)
+    prev1 = gl.zeros([64, 16], dtype, layout=a_layout)
     one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
     for t in range(num_tiles):
         tile = tile0 + t
         if one_group:  # issued before the barrier waits, so its latency overlaps them
-            scale, shift, addend = _group_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP,
-                                                 s_stride, rows, HAS_ZERO, HAS_MIN, dtype)
+            g = 0 if PER_CHANNEL else tile * 128 // GROUP
+            scale0, shift0, addend0 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows0, HAS_ZERO, HAS_MIN, dtype)
+            scale1, shift1, addend1 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows1, HAS_ZERO, HAS_MIN, dtype)
         s = t % stages
         phase = (t // stages) & 1
         mbarrier.wait(w_ready.index(s), phase)
-        words = w_bufs.index(s).load(a_layout)
+        words0 = w_bufs.index(s).slice(0, 64, dim=0).load(a_layout)
+        words1 = w_bufs.index(s).slice(64, 64, dim=0).load(a_layout)
         fence_async_shared()
         mbarrier.arrive(w_empty.index(s), count=1)
         mbarrier.wait(x_ready.index(s), phase)
         x_tile = x_bufs.index(s)
         for j in gl.static_range(8):
             if not one_group and (16 * j) % GROUP == 0:
-                scale, shift, addend = _group_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride,
-                                                     rows, HAS_ZERO, HAS_MIN, dtype)
-            # neighbouring words are neighbouring K columns: two elements per call, one register of two values
-            a = gl.inline_asm_elementwise(_pair_asm(j, is_fp16), "=r,r,r,r,r,r",
-                                          [words, shift[:, None], scale[:, None], addend[:, None]],
-                                          x_bufs.dtype, is_pure=True, pack=2)
-            acc = warpgroup_mma(a, x_tile.slice(16 * j, 16, dim=1).permute((1, 0)), acc, is_async=True)
-            # retires the chunk before, whose operand registers (prev) stay live until here; at a tile's first
-            # chunk that is the previous tile's last, so its x slot goes back to the loader
-            acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
+                g = (tile * 128 + 16 * j) // GROUP
+                scale0, shift0, addend0 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows0, HAS_ZERO, HAS_MIN,
+                                                        dtype)
+                scale1, shift1, addend1 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows1, HAS_ZERO, HAS_MIN,
+                                                        dtype)
+            x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
+            a0 = _rs_half_operand(words0, j, scale0, shift0, addend0)
+            acc0 = warpgroup_mma(a0, x_chunk, acc0, is_async=True)
+            a1 = _rs_half_operand(words1, j, scale1, shift1, addend1)
+            acc1 = warpgroup_mma(a1, x_chunk, acc1, is_async=True)
+            # retires the chunk before, whose operand registers (prev0 / prev1) stay live until here; at a tile's
+            # first chunk that is the previous tile's last, so its x slot goes back to the loader
+            acc0, acc1, prev0, prev1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1, prev0, prev1))
             if j == 0:
                 mbarrier.arrive(x_empty.index((t + stages - 1) % stages), count=1, pred=t > 0)
-            prev = a
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return (acc,)
+            prev0 = a0
+            prev1 = a1
+    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+    return acc0, acc1
 
 
 @gluon.jit
 def _wgmma_rs_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split, s_stride,
                      out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
                      HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr):
-    """As `_wgmma_kernel`, with the default partition's warpgroups dequantizing into their register operand (RS
-    wgmma) instead of a shared-memory operand ring: weight rows BLOCK_N = 16 x num_warps."""
+    """As `_wgmma_kernel`, with the default partition's warpgroup dequantizing into its register operand (RS wgmma)
+    instead of a shared-memory operand ring: 128 weight rows, 4 warps."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
@@ -317,10 +336,11 @@ def _wgmma_rs_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, 
         mbarrier.init(w_empty.index(i), count=1)
         mbarrier.init(x_ready.index(i), count=1)
         mbarrier.init(x_empty.index(i), count=1)
-    (acc,) = gl.warp_specialize([
+    acc0, acc1 = gl.warp_specialize([
         (_rs_consumer_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, tile0,
                                   tiles, off_n, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN)),
         (_load_partition, (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles, off_n,
                            off_m)),
     ], [1], [24])
-    _store_out(acc, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
+    _store_out(acc0, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
+    _store_out(acc1, bias_ptr, out_ptr, off_m, off_n + 64, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
