@@ -201,7 +201,7 @@ def test_wgmma_config_runs_as_its_dot_config_off_hopper(k):
     """A dot config carrying a `wgmma` override resolves to the dot plan where the Gluon kernel cannot run (here:
     the interpreter), so a tuned table's wgmma entries never reach a GPU or format without it."""
     x = torch.zeros(64, 4096, dtype=torch.float16)
-    config = {**k.tuning.heuristic(64, 4096, 4096, 132), "wgmma": {"block_m": 128, "block_n": 128}}
+    config = {**k.tuning.heuristic(64, 4096, 4096, 132), "wgmma": {"block_m": 128}}
     assert not k.tuning.wgmma_supported(x, None, 128)
     plan = k.tuning.resolve(config, x, None, 128)
     assert plan["kernel"] == "dot" and plan["block_m"] == config["block_m"]

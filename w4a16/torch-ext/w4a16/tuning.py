@@ -12,9 +12,8 @@ see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the op
 ``x_desc`` / ``w_desc``: x and the weight words by TMA descriptors, where x's rows are 16-byte aligned;
 ``nf4_tables``: NF4 operands by byte permutes rather than gathers, on by default where PTX runs;
 ``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``wgmma``: where
-`wgmma_supported`, run a Gluon warp-specialized kernel instead, a dict of its ``block_m``, ``num_stages`` (TMA
-ring of words and x), ``split_k`` and either ``block_n``, ``op_stages`` (dequantized operand ring in shared
-memory), ``dequant_parts``, ``dequant_regs``, or ``rs`` (the operand in registers, 128 rows)) or
+`wgmma_supported`, run the experimental Gluon kernel `triton_kernels.wgmma` instead, a dict of its ``block_m``,
+``num_stages`` (TMA ring of words and x) and ``split_k``; no shipped table or heuristic sets it) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
@@ -175,7 +174,7 @@ def half2_supported(x, codebook, group_size, has_mins: bool = False, has_zeros: 
 
 
 def wgmma_supported(x, codebook, group_size, swiglu: bool = False) -> bool:
-    """Whether the Gluon warp-specialized tensor-core kernel (`triton_kernels.wgmma`) applies: a Hopper GPU
+    """Whether the Gluon tensor-core kernel (`triton_kernels.wgmma`) applies: a Hopper GPU
     (wgmma is sm_90a only), fp16 / bf16 activations whose rows TMA can read (16-byte aligned), int4 with scale
     groups of 32, 64, multiples of 128 or per channel, no SwiGLU epilogue. Elsewhere its config runs as the dot
     config it sits in."""

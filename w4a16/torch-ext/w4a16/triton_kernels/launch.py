@@ -145,19 +145,15 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
 
 
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
-    """`wgmma._wgmma_kernel` (operand ring in shared memory) or with ``rs`` `wgmma._wgmma_rs_kernel` (operand in
-    registers, 128 rows), Hopper only (`tuning.wgmma_supported`): one program per (token
-    tile, row tile, K split), x and the words by host descriptors (encoded per launch, captured by value in CUDA
-    graphs)."""
+    """`wgmma._wgmma_kernel` (Hopper only, `tuning.wgmma_supported`): one program per (token tile, 128-row tile, K
+    split), x and the words by host descriptors (encoded per launch, captured by value in CUDA graphs)."""
     # imported here: Triton builds without Gluon's Hopper ops never reach this launcher (`wgmma_supported`)
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from .wgmma import _wgmma_kernel, _wgmma_rs_kernel
+    from .wgmma import _wgmma_kernel
 
-    m = x.shape[0]
-    rs = bool(plan.get("rs", False))
-    block_m, block_n = plan["block_m"], 128 if rs else plan["block_n"]
+    m, block_m, block_n = x.shape[0], plan["block_m"], 128
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
     splits = triton.cdiv(num_tiles, per_split)
@@ -167,17 +163,13 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
                              gl.NVMMASharedLayout.get_default_for([block_m, 128], x_type))
     w_desc = GluonDescriptor(qweight, list(qweight.shape), [qweight.stride(0), 1], [block_n, WORDS_PER_TILE],
                              gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE], gl.int32))
-    grid = (triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)
-    args = (x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(bias, scales), target,
-            m, n, num_tiles, per_split, scales.stride(0), target.stride(-2))
-    flags = dict(GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1,
-                 HAS_ZERO=zeros is not None, HAS_MIN=mins is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
-                 STAGES=plan.get("num_stages", 3), num_warps=4)
-    if rs:
-        _wgmma_rs_kernel[grid](*args, **flags)
-    else:
-        _wgmma_kernel[grid](*args, **flags, OP_STAGES=plan.get("op_stages", 2),
-                            DEQUANT_PARTS=plan.get("dequant_parts", 2), DEQUANT_REGS=plan.get("dequant_regs", 96))
+    _wgmma_kernel[(triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)](
+        x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(bias, scales), target,
+        m, n, num_tiles, per_split, scales.stride(0), target.stride(-2),
+        GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
+        HAS_MIN=mins is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1, STAGES=plan.get("num_stages", 4),
+        num_warps=4,
+    )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False)
 

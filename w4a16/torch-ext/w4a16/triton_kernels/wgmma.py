@@ -1,21 +1,20 @@
-"""The Hopper tensor-core matmul for M >= 64, in Gluon: dequantization in warps of its own, beside the MMA.
+"""The Hopper tensor-core matmul for M >= 64 in Gluon (experimental: no table or heuristic selects it yet).
 
-Triton's own pipeliner puts the dequantization on the warps that issue the MMA (`dot._dot_kernel`), so the
-tensor cores wait while those warps build operands (docs/design/w4a16.md, E2-E8); Triton 3.6's automatic warp
-specialization fails on dequantization loops. Here three partitions share a CTA through mbarrier rings:
+Triton's own pipeliner builds the dot path's operands on the warps that issue the MMA and overlaps nothing within
+a program (`dot._dot_kernel`, docs/design/w4a16.md E2-E8); Triton 3.6's automatic warp specialization fails on
+dequantization loops. Here a CTA is two partitions sharing mbarrier rings:
 
-- a loader warp brings each 128-column K-tile by TMA: the tile's packed words ``[BLOCK_N, 16]`` and x's
+- a loader warp brings each 128-column K-tile by TMA: the tile's packed words ``[128, 16]`` and x's
   ``[BLOCK_M, 128]`` (zero-filled past M and K);
-- four dequantizing warps turn the words into the MMA operand ``[BLOCK_N, 128]`` in x's dtype, scaled (and
-  shifted by the zero point or minimum) per group, and store it into shared memory: nibble j of word c is
-  column ``16 j + c`` (`formats`), so each nibble position is a ``[BLOCK_N, 16]`` column slice;
-- the default partition issues asynchronous wgmma on both operands from shared memory (weight rows as the MMA's
-  M, tokens as its N), releasing a tile's buffers once its MMA has retired, then writes ``out[M, N]``.
+- the default warpgroup dequantizes each 16-column K-chunk straight into the wgmma register operand (RS wgmma,
+  weight rows as the MMA's M, tokens as its N) while the previous chunk's MMA runs, then writes ``out[M, N]``.
+  Nibble j of word c is column ``16 j + c`` (`formats`), so chunk j is nibble j of the words, which a thread
+  loads in the operand's own layout.
 
 Formats: int4 with scale groups of 32, 64 or multiples of 128, or per channel; integer zero points, symmetric
 or float minima; fp16 or bf16 activations. The dequantized operand is rounded to x's dtype once, as the
-dequantize + cuBLAS path rounds it (`tuning.wgmma_supported` says where this kernel applies).
-"""
+dequantize + cuBLAS path rounds it (`tuning.wgmma_supported` says where this kernel applies). A first version
+with the operand made by warps of their own into a shared-memory ring (commit 55b12cc) measured slower."""
 
 from __future__ import annotations
 
@@ -28,9 +27,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-
-DEQUANT_WARPS = gl.constexpr(4)
-
 
 @gluon.jit
 def _load_partition(w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, num_tiles, off_n,
@@ -63,12 +59,6 @@ def _pair_asm(j, is_fp16):
 
 
 @gluon.jit
-def _pair(v):
-    """Two copies of each 16-bit value packed into one 32-bit register (an operand of the f16x2 / bf16x2 ops)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [v], gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
 def _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
                   dtype: gl.constexpr):
     """One group's (scale, shift, addend) for `rows`: ``(v - shift) * scale + addend`` is the weight of
@@ -84,84 +74,6 @@ def _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr
     else:
         addend = gl.zeros_like(scale)
     return scale, shift, addend
-
-
-@gluon.jit
-def _paired(scale, shift, addend):
-    return _pair(scale), _pair(shift), _pair(addend)
-
-
-@gluon.jit
-def _dequant_partition(w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_ptr, z_ptr, m_ptr,
-                       tile0, num_tiles, off_n, s_stride,
-                       GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
-                       HAS_MIN: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr):
-    """Tiles FIRST, FIRST + STEP, ...: with STEP partitions taking turns, one's loads wait while another computes."""
-    stages: gl.constexpr = w_bufs.type.shape[0]
-    op_stages: gl.constexpr = op_bufs.type.shape[0]
-    block_n: gl.constexpr = w_bufs.type.shape[1]
-    dtype: gl.constexpr = op_bufs.dtype
-    is_fp16: gl.constexpr = dtype == gl.float16
-    # each thread 8 consecutive words of a row: per nibble position the 8 columns of one 16-byte store
-    words_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [gl.num_warps(), 1], [1, 0])
-    # the words as (even, odd) neighbours: [block_n, 8, 2] split into two [block_n, 8]
-    pairs_layout: gl.constexpr = gl.BlockedLayout([1, 4, 2], [16, 2, 1], [gl.num_warps(), 1, 1], [2, 1, 0])
-    rows = off_n + gl.arange(0, block_n, layout=gl.SliceLayout(1, gl.SliceLayout(2, pairs_layout)))
-    one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
-    for t in range(FIRST, num_tiles, STEP):
-        tile = tile0 + t
-        if one_group:  # issued before the barrier waits, so its latency overlaps them
-            scale, shift, addend = _group_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP,
-                                                 s_stride, rows, HAS_ZERO, HAS_MIN, dtype)
-            scale, shift, addend = _paired(scale, shift, addend)
-        s = t % stages
-        mbarrier.wait(w_ready.index(s), (t // stages) & 1)
-        words = w_bufs.index(s).load(words_layout)
-        # order this generic-proxy read before the loader's next TMA write of the slot
-        fence_async_shared()
-        mbarrier.arrive(w_empty.index(s), count=1)
-        even, odd = gl.split(words.reshape([block_n, 8, 2]))
-        d = t % op_stages
-        mbarrier.wait(op_empty.index(d), ((t // op_stages) & 1) ^ 1)
-        # the operand tile as 32-bit pairs of columns (the same bytes and swizzle): the pairs are stored as made
-        op = op_bufs.index(d)._reinterpret(gl.int32, [block_n, 64], gl.NVMMASharedLayout(128, 32))
-        for j in gl.static_range(8):
-            if not one_group and (16 * j) % GROUP == 0:
-                scale, shift, addend = _group_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride,
-                                                     rows, HAS_ZERO, HAS_MIN, dtype)
-                scale, shift, addend = _paired(scale, shift, addend)
-            # (v - shift) exact (integers below 2^11); the fma rounds once, as dequantize + cuBLAS does
-            pairs = gl.inline_asm_elementwise(_pair_asm(j, is_fp16), "=r,r,r,r,r,r",
-                                              [even, odd, shift[:, None], scale[:, None], addend[:, None]],
-                                              gl.int32, is_pure=True, pack=1)
-            op.slice(8 * j, 8, dim=1).store(pairs)
-        # order the generic-proxy stores before the MMA's async-proxy reads
-        fence_async_shared()
-        mbarrier.arrive(op_ready.index(d), count=1)
-
-
-@gluon.jit
-def _mma_partition(x_bufs, op_bufs, x_ready, x_empty, op_ready, op_empty, num_tiles):
-    stages: gl.constexpr = x_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = op_bufs.type.shape[1]
-    op_stages: gl.constexpr = op_bufs.type.shape[0]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                         instr_shape=[16, BLOCK_M, 16])
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-    for t in range(num_tiles):
-        s = t % stages
-        d = t % op_stages
-        mbarrier.wait(op_ready.index(d), (t // op_stages) & 1)
-        mbarrier.wait(x_ready.index(s), (t // stages) & 1)
-        acc = warpgroup_mma(op_bufs.index(d), x_bufs.index(s).permute((1, 0)), acc, is_async=True)
-        # the previous tile's MMA has retired: its buffers go back to the loader and the dequantizing warps
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        prev = t + stages - 1
-        mbarrier.arrive(x_empty.index(prev % stages), count=1, pred=t > 0)
-        mbarrier.arrive(op_empty.index((t + op_stages - 1) % op_stages), count=1, pred=t > 0)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return (acc,)  # a partition returns a tuple of tensors
 
 
 @gluon.jit
@@ -183,61 +95,6 @@ def _store_out(acc, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HA
         gl.store(out_ptr + split.to(gl.int64) * M * N + offsets, result, mask=mask)
     else:
         gl.store(out_ptr + offsets, result.to(dtype), mask=mask)
-
-
-@gluon.jit
-def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split, s_stride,
-                  out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
-                  HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
-                  OP_STAGES: gl.constexpr, DEQUANT_PARTS: gl.constexpr, DEQUANT_REGS: gl.constexpr):
-    """Program (token tile, row tile, K split): K-tiles [split * per_split, ...) of `num_tiles`; with PARTIAL its
-    fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction)."""
-    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    dtype: gl.constexpr = x_desc.dtype
-    off_m = gl.program_id(0) * BLOCK_M
-    off_n = gl.program_id(1) * BLOCK_N
-    split = gl.program_id(2)
-    tile0 = split * per_split
-    tiles = gl.minimum(per_split, num_tiles - tile0)
-
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dtype)
-    op_bufs = gl.allocate_shared_memory(dtype, [OP_STAGES, BLOCK_N, 128], op_layout)
-    w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    op_ready = gl.allocate_shared_memory(gl.int64, [OP_STAGES, 1], mbarrier.MBarrierLayout())
-    op_empty = gl.allocate_shared_memory(gl.int64, [OP_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(w_ready.index(i), count=1)
-        mbarrier.init(w_empty.index(i), count=1)
-        mbarrier.init(x_ready.index(i), count=1)
-        mbarrier.init(x_empty.index(i), count=1)
-    for i in gl.static_range(OP_STAGES):
-        mbarrier.init(op_ready.index(i), count=1)
-        mbarrier.init(op_empty.index(i), count=1)
-
-    mma_args = (x_bufs, op_bufs, x_ready, x_empty, op_ready, op_empty, tiles)
-    load_args = (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles, off_n, off_m)
-    if DEQUANT_PARTS == 1:
-        (acc,) = gl.warp_specialize([
-            (_mma_partition, mma_args), (_load_partition, load_args),
-            (_dequant_partition, (w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_ptr, z_ptr, m_ptr, tile0,
-                                  tiles, off_n, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, 0, 1)),
-        ], [1, DEQUANT_WARPS], [24, DEQUANT_REGS])
-    else:  # two dequantizing partitions taking turns over the K-tiles
-        (acc,) = gl.warp_specialize([
-            (_mma_partition, mma_args), (_load_partition, load_args),
-            (_dequant_partition, (w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_ptr, z_ptr, m_ptr, tile0,
-                                  tiles, off_n, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, 0, 2)),
-            (_dequant_partition, (w_bufs, op_bufs, w_ready, w_empty, op_ready, op_empty, s_ptr, z_ptr, m_ptr, tile0,
-                                  tiles, off_n, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, 1, 2)),
-        ], [1, DEQUANT_WARPS, DEQUANT_WARPS], [24, DEQUANT_REGS, DEQUANT_REGS])
-
-    _store_out(acc, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
 
 
 @gluon.jit
@@ -311,11 +168,11 @@ def _rs_consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s
 
 
 @gluon.jit
-def _wgmma_rs_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split, s_stride,
+def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split, s_stride,
                      out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
                      HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr):
-    """As `_wgmma_kernel`, with the default partition's warpgroup dequantizing into its register operand (RS wgmma)
-    instead of a shared-memory operand ring: 128 weight rows, 4 warps."""
+    """Program (token tile, 128-row tile, K split): K-tiles [split * per_split, ...) of `num_tiles`; with PARTIAL
+    its fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction). 4 warps."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
