@@ -23,7 +23,6 @@ import collections
 import copy
 import gc
 import importlib.metadata
-import inspect
 import json
 import sys
 import tempfile
@@ -37,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from hubtools.build import build_kernel, load_build  # noqa: E402
 from hubtools.e2e.quality import (TEXT, TEXT_METHOD, add_text_args, calibration_batches, check_text_args,  # noqa: E402
-                                  linear_weight_bytes, load_text, log, perplexity, quantize)
+                                  gptq_true_sequential, linear_weight_bytes, load_text, log, perplexity, quantize)
 from hubtools.measure import environment  # noqa: E402
 from hubtools.workspace import Workspace  # noqa: E402
 
@@ -86,9 +85,7 @@ def main() -> None:
         w4a16 = load_build(build_kernel(Workspace.load(ROOT).kernel("w4a16"), Path(build_dir)))
         results["kernels"] = {"source": "local", "where": "local build of this checkout (hubtools.build.build_kernel)",
                               "w4a16_module": w4a16.__name__}
-        # quantize_model's default, recorded because it changes the *-gptq rows (stages added after 8 x 256 runs)
-        results["calibration"]["true_sequential"] = inspect.signature(w4a16.quantize_model).parameters[
-            "true_sequential"].default
+        results["calibration"]["true_sequential"] = gptq_true_sequential(w4a16)
         calibration = None
         if any(VARIANTS[name] and VARIANTS[name].get("gptq") for name in args.variants):
             t = time.perf_counter()

@@ -49,8 +49,8 @@ from hubtools.measure import environment  # noqa: E402
 from hubtools.build import build_kernel, load_build  # noqa: E402
 from hubtools.e2e.norms import kernelize_rmsnorm  # noqa: E402
 from hubtools.e2e.quality import (TEXT, TEXT_METHOD, add_text_args, calibration_batches,  # noqa: E402
-                                   check_text_args, linear_weight_bytes, load_text, log, perplexity, quantize,
-                                   storage_bytes)
+                                   check_text_args, gptq_true_sequential, linear_weight_bytes, load_text, log,
+                                   perplexity, quantize, storage_bytes)
 from hubtools.workspace import Workspace  # noqa: E402
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,7 +74,7 @@ VARIANTS = {
     # imported exactly by w4a16.load_gguf: the same weights as the unquantized baseline, in 4 bits.
     "gguf-q4_1": dict(fmt="int4", group_size=32, zero_point="float minima", gguf=True),
 }
-CALIBRATION = dict(sequences=16, tokens=256, seed=0)  # sampled continuations of the model's BOS token
+CALIBRATION = dict(sequences=32, tokens=256, seed=0)  # sampled continuations of the model's BOS token
 
 
 def main() -> None:
@@ -95,6 +95,7 @@ def main() -> None:
     source = args.kernels if args.kernels != "auto" else ("hub" if os.environ.get("HF_ENDPOINT") else "local")
     with tempfile.TemporaryDirectory() as build_dir:
         rmsnorm_layer, w4a16, kernel_info = load_kernels(source, args.org, Path(build_dir))
+        true_sequential = gptq_true_sequential(w4a16)
 
         calibration = None
         if any(VARIANTS[name] and VARIANTS[name].get("gptq") for name in args.variants):
@@ -122,7 +123,8 @@ def main() -> None:
                  "stride": args.stride, "method": TEXT_METHOD},
         "prompt": PROMPT,
         "calibration": {**CALIBRATION, "method": "multinomial sampling (temperature 1) from the unquantized "
-                        "model, starting at its BOS token; used by the *-gptq variants only"},
+                        "model, starting at its BOS token; used by the *-gptq variants only",
+                        "true_sequential": true_sequential},
         "memory": "cuda: torch.cuda.max_memory_allocated during generation and perplexity; "
                   "cpu: bytes of all parameters and buffers (tied weights once)",
         "wall_s": round(time.perf_counter() - started, 1),

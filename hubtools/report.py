@@ -386,8 +386,8 @@ def smollm2_section(results: dict) -> list[str]:
     calibration = results.get("calibration")
     if calibration and any(r.get("method") == "gptq" for r in results["rows"]):
         lines += ["", f"The `-gptq` variants are calibrated by w4a16's GPTQ on {calibration['sequences']} sequences "
-                      f"of {calibration['tokens']} tokens ({calibration['method']}, seed {calibration['seed']}); "
-                      "the others round to nearest."]
+                      f"of {calibration['tokens']} tokens ({calibration['method']}, seed {calibration['seed']}), "
+                      f"{_gptq_stages(calibration)}; the others round to nearest."]
     for g in smollm2_goals(results):
         lines += ["", f"Goal: {g['goal']} ≤ {g['target']}: measured {g['value']:.4g}, "
                       f"{'met' if g['met'] else '**missed**'}."]
@@ -395,6 +395,12 @@ def smollm2_section(results: dict) -> list[str]:
         lines += ["", "Group 128 applies only where it divides a layer's input width (hidden size 576 = 4.5 x 128); "
                       "the other layers use group 64, as the group sizes column shows."]
     return lines + [""]
+
+
+def _gptq_stages(calibration: dict) -> str:
+    # files from before true-sequential calibration (the default since) do not record it
+    return ("true-sequential (each stage's Hessian with the earlier stages quantized)"
+            if calibration.get("true_sequential") else "one Hessian pass per decoder layer")
 
 
 def smollm2_goals(results: dict) -> list[dict]:
@@ -417,9 +423,7 @@ def gemma3_section(results: dict) -> list[str]:
     types = "; ".join(f"{kind} {', '.join(f'{t} x{n}' for t, n in counts.items())}"
                       for kind, counts in model["tensor_types"].items() if kind.startswith(("attn_", "ffn_"))
                       and not kind.endswith("norm"))
-    # files from before true-sequential calibration (the default since) do not record it
-    stages = ("true-sequential (each stage's Hessian with the earlier stages quantized)"
-              if calibration.get("true_sequential") else "one Hessian pass per decoder layer")
+    stages = _gptq_stages(calibration)
     lines = [
         f"## Re-quantization quality: Gemma-3-270M on CPU ({env.get('cpu_threads', '?')} threads; "
         f"`{results['name']}-results.json`)",

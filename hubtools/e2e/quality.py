@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import math
 import sys
 
@@ -52,6 +53,12 @@ def calibration_batches(model, tokenizer, device, sequences: int, tokens: int, s
         bos, do_sample=True, temperature=1.0, top_p=None, top_k=None, max_new_tokens=tokens - 1,
         min_new_tokens=tokens - 1, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     return list(out.split(4))
+
+
+def gptq_true_sequential(w4a16) -> bool:
+    """`w4a16.quantize_model`'s GPTQ stage default, recorded in results files because it changes the *-gptq rows
+    (true-sequential stages came after the first 8 x 256 / 16 x 256 runs)."""
+    return inspect.signature(w4a16.quantize_model).parameters["true_sequential"].default
 
 
 def quantize(model, w4a16, fmt: str, group_size: int, zero_point: bool, calibration=None) -> dict[int, int]:
