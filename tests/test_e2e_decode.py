@@ -49,6 +49,7 @@ def test_configs_run_in_order_with_kernels_in_place(rows):
     assert rows["w4a16+rmsnorm"]["norms_kernelized"] == 2 * layers + 1
     assert rows["w4a16+rmsnorm+fused"]["residual_adds_fused"] == 2 * layers
     assert "norms_kernelized" not in rows["w4a16+rmsnorm+fused"]  # kernelized once, by the configuration before
+    assert rows[e2e.LM_HEAD_CONFIG]["lm_head_quantized"] and "lm_head_quantized" not in rows["w4a16+rmsnorm+fused"]
     assert rows["bf16"]["speedup_vs_bf16"] == pytest.approx(1.0)
     for row in rows.values():
         assert row["graph"] is False and row["device"] == "cpu"
@@ -59,12 +60,13 @@ def test_quantized_decode_close_to_bf16(rows):
     """Teacher-forced logits of the int4 model against bf16's. Round-to-nearest int4 with group 128 adds
     noise of step/sqrt(12) = (absmax/7.5)/sqrt(12), about 11% of a Gaussian weight's scale (absmax ~2.9
     sigma over 128 values), to each matmul's output; about four quantized matmuls in series (v -> o,
-    gate/up -> down, two layers) compound to ~0.2, and seeds 0-4 give 0.15-0.24. 0.35 leaves that margin
+    gate/up -> down, two layers) compound to ~0.2, and seeds 0-4 give 0.15-0.24 (a quantized lm_head adds one
+    more in series). 0.35 leaves that margin
     and still fails a broken weight (unrelated logits give ~1.4). The random model's logits are nearly flat
     (top-1 margins a fraction of that noise), so top-1 agreement is only required far above chance
     (1/512; seeds 0-4 give 0.42-0.83); exact greedy agreement is checked against the dequantized model
     (next test)."""
-    for config in ("w4a16", "w4a16+rmsnorm", "w4a16+rmsnorm+fused"):
+    for config in ("w4a16", "w4a16+rmsnorm", "w4a16+rmsnorm+fused", e2e.LM_HEAD_CONFIG):
         c = rows[config]["correctness"]
         assert 0 < c["teacher_forced_logits_rel_err"] < 0.35, (config, c)
         assert c["teacher_forced_top1_agreement"] >= 0.25, (config, c)
@@ -81,7 +83,7 @@ def test_quantized_decode_close_to_bf16(rows):
 def test_w4a16_greedy_tokens_match_dequantized_bf16(rows):
     """The int4 model computes the bf16 model with dequantized weights: same greedy tokens, logits equal
     up to bf16 rounding of each matmul's output (one rounding, 2^-8 relative, through a few layers)."""
-    for config in ("w4a16", "w4a16+rmsnorm", "w4a16+rmsnorm+fused"):
+    for config in ("w4a16", "w4a16+rmsnorm", "w4a16+rmsnorm+fused", e2e.LM_HEAD_CONFIG):
         check = rows[config]["correctness"]["vs_dequantized_bf16"]
         assert check["greedy_tokens_matching_prefix"] == SETTINGS.check_steps, (config, check)
         assert check["teacher_forced_top1_agreement"] == 1.0, (config, check)
@@ -209,6 +211,9 @@ def test_bytes_accounting(rows):
         assert row["fraction_of_ideal_ceiling"] == pytest.approx(row["tokens_per_s"] * row["bytes_ideal"] / NOMINAL_BW)
     assert w4["bytes_actual"] < bf16["bytes_actual"]
     assert w4n["bytes_actual"] == w4f["bytes_actual"] == w4["bytes_actual"]
+    # lm_head at int4 as well: its bf16 bytes replaced by codes and scales
+    head = pad(lm_head[0]) * pad(lm_head[1]) // 2 + pad(lm_head[1]) // 128 * pad(lm_head[0]) * 2
+    assert rows[e2e.LM_HEAD_CONFIG]["bytes_actual_parts"]["matrices"] == packed + head
     # KV: the static buffer read, GQA's repeated copy written and read again, the new position written
     kv_pos = 2 * spec.head_dim * 2
     want_kv = spec.layers * kv_pos * (SETTINGS.cache_len * (spec.kv_heads + 2 * spec.heads) + spec.kv_heads)
@@ -230,6 +235,11 @@ def test_tied_lm_head_reads_the_whole_embedding(kernels, torch_path):
     assert actual["matrices"] == packed + 2 * vocab * hidden
     assert actual["embedding_row"] == 2 * hidden
     assert ideal["matrices"] < actual["matrices"]
+    # the lm_head configuration quantizes the tied lm_head; the embedding keeps its bf16 weight for lookups
+    e2e.apply_config(model, e2e.LM_HEAD_CONFIG, kernels, "cpu", {"quantized": True, "kernelized": True, "fused": True})
+    assert type(model.lm_head).__name__ == "W4A16Linear"
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert e2e.decode_bytes(model, cache_len=16, context_len=8)[0]["matrices"] < actual["matrices"]
 
 
 def test_cli_writes_results(tmp_path, torch_path):

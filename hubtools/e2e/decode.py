@@ -10,7 +10,9 @@ the same weights:
 - ``w4a16+rmsnorm``: that, plus ``kernels.kernelize`` mapping ``RMSNorm`` to the rmsnorm kernel's layer;
 - ``w4a16+rmsnorm+fused``: that, plus ``rmsnorm.fuse_residual_norms``: each residual add runs fused with the norm
   after it (``residual + attn_out`` with the post-attention norm, ``residual + mlp_out`` with the next layer's input
-  norm or the final norm), one ``fused_add_rms_norm`` in place of an add and a norm.
+  norm or the final norm), one ``fused_add_rms_norm`` in place of an add and a norm;
+- ``w4a16+rmsnorm+fused+lm_head``: that, with ``lm_head`` at int4 too (the largest single matmul of a decode step;
+  with tied embeddings the embedding keeps its bf16 copy).
 
 Protocol (one model at a time, one configuration at a time):
 
@@ -62,7 +64,8 @@ from .norms import kernelize_rmsnorm
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "e2e-decode-results.json"
 CPU_OUT = REPO_ROOT / "out" / "e2e-decode-cpu.json"  # git-ignored: CPU runs never overwrite GPU results
 
-CONFIGS = ("bf16", "w4a16", "w4a16+rmsnorm", "w4a16+rmsnorm+fused")
+CONFIGS = ("bf16", "w4a16", "w4a16+rmsnorm", "w4a16+rmsnorm+fused", "w4a16+rmsnorm+fused+lm_head")
+LM_HEAD_CONFIG = CONFIGS[-1]
 CATEGORIES = ("matmul", "attention", "norms", "rest")
 GROUP_SIZE = 128
 ANNOTATION = "e2e::"
@@ -165,28 +168,31 @@ def apply_config(model: nn.Module, config: str, kernels: Kernels, device: str, s
             torch.cuda.synchronize()
         state["quantized"] = True
         info["quantize_seconds"] = time.perf_counter() - started
-    if config in ("w4a16+rmsnorm", "w4a16+rmsnorm+fused") and not state.get("kernelized"):
+    if config in CONFIGS[2:] and not state.get("kernelized"):
         from kernels import LocalLayerRepository
 
         repository = LocalLayerRepository(repo_path=kernels.rmsnorm_dir, layer_name="RMSNorm")
         info["norms_kernelized"], _ = kernelize_rmsnorm(model, repository, device)
         state["kernelized"] = True
-    if config == "w4a16+rmsnorm+fused" and not state.get("fused"):  # after kernelize, which would undo part of it
+    if config in CONFIGS[3:] and not state.get("fused"):  # after kernelize, which would undo part of it
         info["residual_adds_fused"] = kernels.rmsnorm.fuse_residual_norms(model)
         state["fused"] = True
+    if config == LM_HEAD_CONFIG and not state.get("lm_head"):  # the one nn.Linear left; nothing more to fuse
+        kernels.w4a16.quantize_model(model, group_size=GROUP_SIZE, skip=(), zero_point=False, fmt="int4", fuse=False)
+        info["lm_head_quantized"] = state["lm_head"] = True
     if config == "bf16" and state:
         raise ValueError("bf16 must run before the model is converted")
     return info
 
 
-def dequantized_reference(model: nn.Module, kernels: Kernels) -> nn.Module:
-    """A bf16 copy of `model` whose quantized linears hold the dequantized int4 weights (same codes as
-    `quantize`): the function the w4a16 configuration computes, on PyTorch's bf16 matmul."""
+def dequantized_reference(model: nn.Module, kernels: Kernels, lm_head: bool = False) -> nn.Module:
+    """A bf16 copy of `model` whose quantized linears (with `lm_head`, lm_head too) hold the dequantized int4
+    weights (same codes as `quantize`): the function the w4a16 configurations compute, on PyTorch's bf16 matmul."""
     ref = copy.deepcopy(model)
     k = kernels.w4a16
     with torch.no_grad():
         for name, module in ref.named_modules():
-            if isinstance(module, nn.Linear) and not name.endswith("lm_head"):
+            if isinstance(module, nn.Linear) and (lm_head or not name.endswith("lm_head")):
                 qw = k.quantize(module.weight, group_size=GROUP_SIZE, zero_point=False, fmt="int4")
                 module.weight.copy_(k.dequantize(qw, module.weight.dtype))
     return ref
@@ -620,9 +626,12 @@ def run_model(spec: ModelSpec, kernels: Kernels, device: str, settings: Settings
         if config == "bf16" and "error" not in row:
             bf16_tps = row["tokens_per_s"]
             ref = row.pop("_ref")
-            if any(c != "bf16" for c in configs):
+            for key, lm_head, wanted in (("dequant", False, any(c not in ("bf16", LM_HEAD_CONFIG) for c in configs)),
+                                         ("dequant_lm_head", True, LM_HEAD_CONFIG in configs)):
+                if not wanted:
+                    continue
                 try:
-                    ref["dequant"] = _dequantized_run(model, kernels, prompt, settings, ref, device != "cpu")
+                    ref[key] = _dequantized_run(model, kernels, prompt, settings, ref, device != "cpu", lm_head)
                 except Exception as exc:  # noqa: BLE001
                     log(f"{spec.name}: dequantized reference failed: {type(exc).__name__}: {exc}")
         row.pop("_ref", None)
@@ -648,10 +657,10 @@ def run_model(spec: ModelSpec, kernels: Kernels, device: str, settings: Settings
     return rows
 
 
-def _dequantized_run(model, kernels, prompt, settings, ref, use_graph) -> dict:
+def _dequantized_run(model, kernels, prompt, settings, ref, use_graph, lm_head) -> dict:
     """Greedy tokens and teacher-forced logits of the bf16 model with dequantized int4 weights: what the
     w4a16 configurations must reproduce up to bf16 rounding (the kernels' correctness at full size)."""
-    reference = dequantized_reference(model, kernels)
+    reference = dequantized_reference(model, kernels, lm_head)
     decoder = Decoder(reference, prompt, settings.cache_len, use_graph=use_graph, first_token=ref["first"])
     try:
         tokens, _ = decoder.run(settings.check_steps)
@@ -679,8 +688,9 @@ def _run_config(model, spec, config, kernels, device, settings, copy_bw, prompt,
         elif ref is not None:
             _, forced = decoder.run(settings.check_steps, forced=ref["tokens"])
             correctness = _correctness(tokens, logits, ref["tokens"], ref["logits"], forced)
-            if "dequant" in ref:
-                dq = ref["dequant"]
+            dq_key = "dequant_lm_head" if config == LM_HEAD_CONFIG else "dequant"
+            if dq_key in ref:
+                dq = ref[dq_key]
                 check = _correctness(tokens, forced, dq["tokens"], dq["forced_logits"], forced)
                 check.pop("tokens")
                 correctness["vs_dequantized_bf16"] = check
@@ -734,7 +744,8 @@ METHOD = {
                "zero_point=False, fmt='int4') (lm_head stays bf16; q/k/v and gate/up fused, its default); w4a16+rmsnorm: plus kernels.kernelize "
                "(Mode.INFERENCE) with LocalLayerRepository on the built rmsnorm kernel for RMSNorm; "
                "w4a16+rmsnorm+fused: plus rmsnorm.fuse_residual_norms (every residual add fused with the norm after "
-               "it: the post-attention norm, the next layer's input norm, the final norm)",
+               "it: the post-attention norm, the next layer's input norm, the final norm); w4a16+rmsnorm+fused+lm_head: "
+               "plus lm_head at int4 (the same quantize_model settings; a tied embedding keeps its bf16 copy)",
     "tokens_per_s": "batch 1, greedy; one decode step (forward + argmax fed back) captured in a torch.cuda.CUDAGraph "
                     "over a transformers StaticCache; positions reset to the prompt length, then `steps` replays "
                     "between CUDA events; best of `reps` passes",
