@@ -13,7 +13,8 @@ see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the op
 ``nf4_tables``: NF4 operands by byte permutes rather than gathers, on by default where PTX runs;
 ``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``wgmma``: where
 `wgmma_supported`, run the experimental Gluon kernel `triton_kernels.wgmma` instead, a dict of its ``block_m``,
-``num_stages`` (TMA ring of words and x) and ``split_k``; no shipped table or heuristic sets it) or
+``block_n`` (128, or 256 up to 64 tokens), ``num_stages`` (TMA ring of words and x) and ``split_k``; no shipped
+table or heuristic sets it) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
