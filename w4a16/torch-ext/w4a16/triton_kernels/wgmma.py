@@ -28,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+
 @gluon.jit
 def _load_partition(w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, num_tiles, off_n,
                     off_m):
@@ -98,18 +99,14 @@ def _store_out(acc, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HA
 
 
 @gluon.jit
-def _rs_half_operand(words, j: gl.constexpr, scale, shift, addend):
-    """K-chunk j of a 64-row half: nibble j of the words held in the operand's layout, dequantized in place
-    (neighbouring words are neighbouring K columns: two elements per PTX call, one register of two values)."""
-    return gl.inline_asm_elementwise(_pair_asm(j, scale.dtype == gl.float16), "=r,r,r,r,r,r",
-                                     [words, shift[:, None], scale[:, None], addend[:, None]],
-                                     scale.dtype, is_pure=True, pack=2)
-
-
-@gluon.jit
 def _chain_step(words, j: gl.constexpr, params, acc, x_chunk):
-    """Chunk j of one 64-row chain: its operand made, its MMA issued (asynchronous)."""
-    a = _rs_half_operand(words, j, params[0], params[1], params[2])
+    """K-chunk j of one 64-row chain: nibble j of the words held in the operand's layout, dequantized in place
+    (neighbouring words are neighbouring K columns: two elements per PTX call, one register of two values), and
+    its MMA issued (asynchronous)."""
+    scale, shift, addend = params
+    a = gl.inline_asm_elementwise(_pair_asm(j, scale.dtype == gl.float16), "=r,r,r,r,r,r",
+                                  [words, shift[:, None], scale[:, None], addend[:, None]],
+                                  scale.dtype, is_pure=True, pack=2)
     return a, warpgroup_mma(a, x_chunk, acc, is_async=True)
 
 
