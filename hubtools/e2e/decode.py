@@ -626,12 +626,10 @@ def run_model(spec: ModelSpec, kernels: Kernels, device: str, settings: Settings
         if config == "bf16" and "error" not in row:
             bf16_tps = row["tokens_per_s"]
             ref = row.pop("_ref")
-            for key, lm_head, wanted in (("dequant", False, any(c not in ("bf16", LM_HEAD_CONFIG) for c in configs)),
-                                         ("dequant_lm_head", True, LM_HEAD_CONFIG in configs)):
-                if not wanted:
-                    continue
+            for key in sorted({_dequantized_key(c) for c in configs if c != "bf16"}):
                 try:
-                    ref[key] = _dequantized_run(model, kernels, prompt, settings, ref, device != "cpu", lm_head)
+                    ref[key] = _dequantized_run(model, kernels, prompt, settings, ref, device != "cpu",
+                                                lm_head=key == _dequantized_key(LM_HEAD_CONFIG))
                 except Exception as exc:  # noqa: BLE001
                     log(f"{spec.name}: dequantized reference failed: {type(exc).__name__}: {exc}")
         row.pop("_ref", None)
@@ -655,6 +653,11 @@ def run_model(spec: ModelSpec, kernels: Kernels, device: str, settings: Settings
     if device != "cpu":
         torch.cuda.empty_cache()
     return rows
+
+
+def _dequantized_key(config: str) -> str:
+    """The dequantized reference a w4a16 configuration is checked against (lm_head dequantized too, or not)."""
+    return "dequant_lm_head" if config == LM_HEAD_CONFIG else "dequant"
 
 
 def _dequantized_run(model, kernels, prompt, settings, ref, use_graph, lm_head) -> dict:
@@ -688,9 +691,8 @@ def _run_config(model, spec, config, kernels, device, settings, copy_bw, prompt,
         elif ref is not None:
             _, forced = decoder.run(settings.check_steps, forced=ref["tokens"])
             correctness = _correctness(tokens, logits, ref["tokens"], ref["logits"], forced)
-            dq_key = "dequant_lm_head" if config == LM_HEAD_CONFIG else "dequant"
-            if dq_key in ref:
-                dq = ref[dq_key]
+            if _dequantized_key(config) in ref:
+                dq = ref[_dequantized_key(config)]
                 check = _correctness(tokens, forced, dq["tokens"], dq["forced_logits"], forced)
                 check.pop("tokens")
                 correctness["vs_dequantized_bf16"] = check

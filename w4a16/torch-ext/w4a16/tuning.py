@@ -181,10 +181,14 @@ def wgmma_supported(x, codebook, group_size, swiglu: bool = False) -> bool:
     config it sits in."""
     if interpreting() or x.device.type != "cuda" or torch.version.hip is not None or not _gluon_available():
         return False
-    aligned = x.stride(-1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
     groups_ok = group_size == -1 or group_size % 128 == 0 or group_size in (32, 64)
     return (torch.cuda.get_device_capability(x.device) == (9, 0) and x.dtype in (torch.float16, torch.bfloat16)
-            and aligned and codebook is None and groups_ok and not swiglu)
+            and tma_rows(x) and codebook is None and groups_ok and not swiglu)
+
+
+def tma_rows(x: torch.Tensor) -> bool:
+    """Whether TMA descriptors can read x's rows: unit column stride, rows and base 16-byte aligned."""
+    return x.stride(-1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -233,8 +237,7 @@ def _format_plan(config: dict, x: torch.Tensor, codebook, group_size: int, has_m
         scale_weights = packed and bool(config.get("scale_weights", False)) and group_size != -1
         # descriptors (TMA) need the full-tile paths and 16-byte aligned rows of x
         full_tile = packed or bool(config.get("full_tile", False))
-        x_desc = (bool(config.get("x_desc", False)) and full_tile and x.stride(-1) == 1
-                  and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
+        x_desc = bool(config.get("x_desc", False)) and full_tile and tma_rows(x)
         w_desc = bool(config.get("w_desc", False)) and full_tile
         # NF4 operands by byte permutes (inline PTX: NVIDIA, or emulated in the interpreter) unless a config says not
         ptx = x.device.type == "cuda" and torch.version.hip is None

@@ -40,15 +40,21 @@ def _reduce_splits(part, bias, out, n, swiglu) -> None:
     )
 
 
+def _split_targets(x, out, n, num_tiles, per_split) -> tuple:
+    """(split count, output target): `out` itself, or fp32 partial sums ``[splits, M, n]`` for `_reduce_splits`."""
+    splits = triton.cdiv(num_tiles, per_split)
+    target = out if splits == 1 else torch.empty(splits, x.shape[0], n, dtype=torch.float32, device=x.device)
+    return splits, target
+
+
 def _gemv_grid(x, qweight, out, n, k, plan, bias) -> tuple:
     """(grid, per-split tiles, split count, output target, the launch flags both GEMV kernels take)."""
     m = x.shape[0]
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     block_n, tiles = plan["block_n"], plan["tiles"]
     per_split = triton.cdiv(triton.cdiv(num_tiles, plan.get("split_k", 1)), tiles) * tiles
-    splits = triton.cdiv(num_tiles, per_split)
+    splits, target = _split_targets(x, out, n, num_tiles, per_split)
     mask_tiles = num_tiles % per_split != 0
-    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     grid = (qweight.shape[0] // block_n, splits, m)
     flags = dict(
         HAS_BIAS=bias is not None, PARTIAL=splits > 1, MASK_X=mask_tiles or k % 128 != 0, MASK_TILES=mask_tiles,
@@ -109,9 +115,8 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     block_m, block_n = plan["block_m"], plan["block_n"]
     per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
-    splits = triton.cdiv(num_tiles, per_split)
+    splits, target = _split_targets(x, out, n, num_tiles, per_split)
     flags = _format_flags(zeros, mins, codebook, group_size)
-    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m) * (qweight.shape[0] // block_n), splits)
     # Scaled operands keep one accumulator chain (the MMA overlaps the next tile's dequantization).
     packed, scale_weights = plan["packed"], plan["scale_weights"]
@@ -162,8 +167,7 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
         block_n = 128  # rows are padded to 128 only; the kernel reads whole row tiles of scales
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
-    splits = triton.cdiv(num_tiles, per_split)
-    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    splits, target = _split_targets(x, out, n, num_tiles, per_split)
     x_type = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
     x_desc = GluonDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 128],
                              gl.NVMMASharedLayout.get_default_for([block_m, 128], x_type))

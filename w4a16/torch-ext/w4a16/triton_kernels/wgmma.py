@@ -78,6 +78,19 @@ def _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr
 
 
 @gluon.jit
+def _chain_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, chains: gl.constexpr, HAS_ZERO: gl.constexpr,
+                  HAS_MIN: gl.constexpr, dtype: gl.constexpr):
+    """Group g's parameters for each 64-row chain from `rows` on (chains 2 and 3 repeat 0 and 1 when there are
+    two: never read)."""
+    params0 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN, dtype)
+    params1 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN, dtype)
+    if chains == 4:
+        return (params0, params1, _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 128, HAS_ZERO, HAS_MIN, dtype),
+                _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 192, HAS_ZERO, HAS_MIN, dtype))
+    return params0, params1, params0, params1
+
+
+@gluon.jit
 def _store_out(acc, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HAS_BIAS: gl.constexpr,
                PARTIAL: gl.constexpr, dtype: gl.constexpr):
     """``out[m, n] = acc[n, m] (+ bias[n])``, or with PARTIAL the fp32 sums into ``out[split]``."""
@@ -142,12 +155,9 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
     for t in range(num_tiles):
         tile = tile0 + t
         if one_group:  # issued before the barrier waits, so its latency overlaps them
-            g = 0 if PER_CHANNEL else tile * 128 // GROUP
-            params0 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN, dtype)
-            params1 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN, dtype)
-            if chains == 4:
-                params2 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 128, HAS_ZERO, HAS_MIN, dtype)
-                params3 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 192, HAS_ZERO, HAS_MIN, dtype)
+            params0, params1, params2, params3 = _chain_params(s_ptr, z_ptr, m_ptr,
+                                                               0 if PER_CHANNEL else tile * 128 // GROUP, s_stride,
+                                                               rows, chains, HAS_ZERO, HAS_MIN, dtype)
         s = t % stages
         phase = (t // stages) & 1
         mbarrier.wait(w_ready.index(s), phase)
@@ -162,12 +172,8 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
         x_tile = x_bufs.index(s)
         for j in gl.static_range(8):
             if not one_group and (16 * j) % GROUP == 0:
-                g = (tile * 128 + 16 * j) // GROUP
-                params0 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN, dtype)
-                params1 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN, dtype)
-                if chains == 4:
-                    params2 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 128, HAS_ZERO, HAS_MIN, dtype)
-                    params3 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 192, HAS_ZERO, HAS_MIN, dtype)
+                params0, params1, params2, params3 = _chain_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP,
+                                                                   s_stride, rows, chains, HAS_ZERO, HAS_MIN, dtype)
             x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
             a0, acc0 = _chain_step(words0, j, params0, acc0, x_chunk)
             a1, acc1 = _chain_step(words1, j, params1, acc1, x_chunk)
