@@ -207,6 +207,16 @@ def test_wgmma_config_runs_as_its_dot_config_off_hopper(k):
     assert plan["kernel"] == "dot" and plan["block_m"] == config["block_m"]
 
 
+def test_mma_config_runs_as_the_config_beneath_off_gpu(k):
+    """A GEMV or dot config carrying an `mma` override resolves to its own plan where the Gluon GEMV cannot run
+    (here: the interpreter)."""
+    x = torch.zeros(1, 4096, dtype=torch.float16)
+    for m in (1, 16):
+        config = {**k.tuning.heuristic(m, 4096, 4096, 132), "mma": {"num_warps": 4}}
+        assert not k.tuning.mma_supported(x, None, 128)
+        assert k.tuning.resolve(config, x, None, 128)["kernel"] == ("gemv_h2" if m == 1 else "dot")
+
+
 def test_nf4_takes_its_own_tensor_core_tiles(k):
     """NF4 weights keep the int4 GEMV, dequantize and M <= 16 configs; above they run 8-warp tiles, 256 x 128
     where the group scales go on the operands (E3)."""

@@ -215,6 +215,67 @@ def test_wgmma_vs_float64(k, zero_point, group_size, dtype, tiles, m):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma is Hopper's (sm_90a)")
+@pytest.mark.parametrize("zero_point,group_size", [(True, 128), (False, 32), ("float", 32), (True, -1)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [{"block_m": 8, "num_stages": 4, "split_k": 4},
+                                   {"block_m": 8, "block_n": 256, "num_stages": 4},
+                                   {"block_m": 16, "num_stages": 4, "split_k": 2}],
+                         ids=["8x128-split4", "8x256", "16x128-split2"])
+@pytest.mark.parametrize("m", [1, 13])
+def test_wgmma_decode_tiles_vs_float64(k, zero_point, group_size, dtype, tiles, m):
+    """The Gluon kernel on token tiles of 8 and 16 (decode): one token (a tile of one live row, seven zero-filled),
+    13 tokens (two 8-token tiles, the second partial), split-K partials, on poisoned outputs against float64."""
+    n, kk = 3000, 5120 if group_size != -1 else 5000
+    qw = k.quantize(_weight(n, kk, dtype, seed=9), group_size=group_size, zero_point=zero_point)
+    x = torch.randn(m, kk, device="cuda", dtype=dtype)
+    config = {**k.tuning.heuristic(16, n, kk, 132), "wgmma": tiles}
+    assert k.tuning.resolve(config, x, None, group_size, has_mins=zero_point == "float",
+                            has_zeros=zero_point is True)["kernel"] == "wgmma"
+    _check_launch(k, x, qw, None, config)
+
+
+MMA_FORMATS = [(True, 128), (False, 128), (True, -1), (False, 32), (True, 32), (True, 64), (True, 256)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="mma.sync needs sm_80+")
+@pytest.mark.parametrize("zero_point,group_size", MMA_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [{"num_warps": 4}, {"num_warps": 4, "reps": 2, "tiles": 3, "split_k": 3},
+                                   {"block_m": 16, "num_warps": 2, "tiles": 4, "split_k": 2}],
+                         ids=["8x64", "8x128-3tiles-split3", "16x32-4tiles-split2"])
+@pytest.mark.parametrize("m", [1, 13])
+def test_mma_gemv_vs_float64(k, zero_point, group_size, dtype, tiles, m):
+    """The Gluon tensor-core GEMV on poisoned outputs against float64: one token (a tile of one live row), 13
+    (two 8-token tiles, or one of 16, partial), split-K partials; N = 3000 leaves a partial row tile, K = 5000
+    (per channel) a partial K-tile; a second launch must give the same bits."""
+    n, kk = 3000, 5120 if group_size != -1 else 5000
+    qw = k.quantize(_weight(n, kk, dtype, seed=10), group_size=group_size, zero_point=zero_point)
+    x = torch.randn(m, kk, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    config = {**k.tuning.heuristic(m, n, kk, 132), "mma": tiles}
+    assert k.tuning.resolve(config, x, None, group_size, has_zeros=zero_point is True)["kernel"] == "mma"
+    _check_launch(k, x, qw, bias, config)
+    first, second = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, bias, n, kk, group_size, config)
+                     for _ in range(2))
+    assert torch.equal(first, second)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="mma.sync needs sm_80+")
+def test_mma_gemv_leaves_formats_it_does_not_take_to_the_config_beneath(k):
+    """Float minima and NF4 are not the mma kernel's: the config it sits in runs them (and stays exact)."""
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.float16)
+    config = {**k.tuning.heuristic(1, 512, 1024, 132), "mma": {"num_warps": 4}}
+    for fmt, zero_point in (("int4", "float"), ("nf4", False)):
+        qw = k.quantize(_weight(512, 1024, torch.float16), group_size=64, zero_point=zero_point, fmt=fmt)
+        plan = k.tuning.resolve(config, x, qw.codebook, 64, has_mins=qw.mins is not None)
+        assert plan["kernel"] != "mma"
+        _check_launch(k, x, qw, None, config)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="wgmma is Hopper's (sm_90a)")
 def test_wgmma_refuses_tiles_it_cannot_pipeline(k):
     """256 weight rows take at most 64 tokens (four accumulator chains); other row tiles do not exist."""
     qw = k.quantize(_weight(512, 1024, torch.float16), group_size=128)

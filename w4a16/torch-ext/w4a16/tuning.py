@@ -14,7 +14,9 @@ see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the op
 ``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``wgmma``: where
 `wgmma_supported`, run the experimental Gluon kernel `triton_kernels.wgmma` instead, a dict of its ``block_m``,
 ``block_n`` (128, or 256 up to 64 tokens), ``num_stages`` (TMA ring of words and x) and ``split_k``; no shipped
-table or heuristic sets it) or
+table or heuristic sets it; ``mma``, in any config: where `mma_supported`, run the experimental Gluon
+tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`` (8 or 16), ``num_warps``,
+``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration) and ``split_k``) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
@@ -28,6 +30,7 @@ says ``"swiglu": True`` and its row tiles pair gate and up rows. Launchers run a
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import logging
 import os
@@ -179,11 +182,22 @@ def wgmma_supported(x, codebook, group_size, swiglu: bool = False) -> bool:
     (wgmma is sm_90a only), fp16 / bf16 activations whose rows TMA can read (16-byte aligned), int4 with scale
     groups of 32, 64, multiples of 128 or per channel, no SwiGLU epilogue. Elsewhere its config runs as the dot
     config it sits in."""
-    if interpreting() or x.device.type != "cuda" or torch.version.hip is not None or not _gluon_available():
+    if interpreting() or x.device.type != "cuda" or torch.version.hip is not None or not _gluon_available("wgmma"):
         return False
     groups_ok = group_size == -1 or group_size % 128 == 0 or group_size in (32, 64)
     return (torch.cuda.get_device_capability(x.device) == (9, 0) and x.dtype in (torch.float16, torch.bfloat16)
             and tma_rows(x) and codebook is None and groups_ok and not swiglu)
+
+
+def mma_supported(x, codebook, group_size, swiglu: bool = False, has_mins: bool = False) -> bool:
+    """Whether the Gluon tensor-core GEMV (`triton_kernels.mma`) applies: an NVIDIA GPU of sm_80 or later
+    (`mma.sync`), fp16 / bf16 activations, int4 with integer or symmetric zero points and scale groups of 32, 64,
+    multiples of 128 or per channel, no SwiGLU epilogue. Elsewhere its config runs as the config it sits in."""
+    if interpreting() or x.device.type != "cuda" or torch.version.hip is not None or not _gluon_available("mma"):
+        return False
+    groups_ok = group_size == -1 or group_size % 128 == 0 or group_size in (32, 64)
+    return (torch.cuda.get_device_capability(x.device) >= (8, 0) and x.dtype in (torch.float16, torch.bfloat16)
+            and codebook is None and not has_mins and groups_ok and not swiglu)
 
 
 def tma_rows(x: torch.Tensor) -> bool:
@@ -192,9 +206,10 @@ def tma_rows(x: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _gluon_available() -> bool:
+def _gluon_available(module: str) -> bool:
+    """Whether this Triton build has the Gluon ops that `triton_kernels.<module>` imports."""
     try:
-        from .triton_kernels import wgmma  # noqa: F401  (Triton builds without Gluon's Hopper ops)
+        importlib.import_module(f".triton_kernels.{module}", __package__)
     except ImportError:
         return False
     return True
@@ -205,6 +220,8 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bo
     """The launch plan of `config` for activations `x` and a weight of this format (`has_mins`: int4 with float
     minima, `has_zeros`: integer zero points; see the module doc); with `swiglu` (a fused gate / up weight in the
     SwiGLU layout) for the epilogue silu(gate) * up."""
+    if config.get("mma") and mma_supported(x, codebook, group_size, swiglu, has_mins):
+        return {**config["mma"], "kernel": "mma"}
     if config["kernel"] == "dot" and config.get("wgmma") and wgmma_supported(x, codebook, group_size, swiglu):
         return {**config["wgmma"], "kernel": "wgmma"}
     plan = _format_plan(config, x, codebook, group_size, has_mins, has_zeros)

@@ -184,6 +184,33 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
         _reduce_splits(target, bias, out, n, False)
 
 
+def _launch_mma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
+    """`mma._mma_gemv_kernel` (sm_80+, `tuning.mma_supported`): one program per (token tile of ``block_m`` = 8 or
+    16, row tile of 16 x ``num_warps`` x ``reps``, K split)."""
+    # imported here: Triton builds without Gluon never reach this launcher (`mma_supported`)
+    from .mma import _mma_gemv_kernel
+
+    m, warps, reps = x.shape[0], plan.get("num_warps", 4), plan.get("reps", 1)
+    block_m = plan.get("block_m", 8 if m <= 8 else 16)
+    block_n = 16 * warps * reps
+    if block_m not in (8, 16) or qweight.shape[0] % block_n:
+        raise ValueError(f"config: mma block_m must be 8 or 16 and 16 x num_warps x reps must divide the padded rows "
+                         f"({qweight.shape[0]}); got {plan}")
+    num_tiles = qweight.shape[1] // WORDS_PER_TILE
+    per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
+    splits, target = _split_targets(x, out, n, num_tiles, per_split)
+    _mma_gemv_kernel[(triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)](
+        x, qweight, scales, _or(zeros, scales), _or(bias, scales), target, m, n, k, num_tiles, per_split,
+        x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), target.stride(0),
+        GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
+        HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, REPS=reps, TILES=plan.get("tiles", 1),
+        MASK_K=k % 128 != 0,
+        num_warps=warps,
+    )
+    if splits > 1:
+        _reduce_splits(target, bias, out, n, False)
+
+
 def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None, mins=None) -> torch.Tensor:
     """Dequantized weight ``[n, k]`` in stored K order (rows of a chunk when qweight is a row slice)."""
     if out is None:
@@ -226,7 +253,7 @@ def _launch_dequant_matmul(x, qweight, scales, zeros, mins, codebook, bias, out,
 
 
 _LAUNCHERS = {"gemv": _launch_gemv, "gemv_h2": _launch_gemv_h2, "dot": _launch_dot, "wgmma": _launch_wgmma,
-              "dequant": _launch_dequant_matmul}
+              "mma": _launch_mma, "dequant": _launch_dequant_matmul}
 
 
 def matmul(x, qweight, scales, zeros, codebook, bias, n, k, group_size, config, out=None,

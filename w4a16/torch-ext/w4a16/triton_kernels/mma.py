@@ -1,0 +1,211 @@
+"""A tensor-core GEMV for decode (1-16 tokens) in Gluon: `mma.sync` (sm_80+) on operands built in registers
+(experimental: no table or heuristic selects it yet, docs/design/w4a16.md E14).
+
+The packed-fp16 GEMV spends ~4 instructions per weight (dequantization, then one HFMA2 per weight pair and per
+token), about the H200's whole issue budget at copy bandwidth; the MMA makes the per-token work free. Each warp
+owns 16-row blocks of the weight and loads their packed words straight into the MMA's A-operand layout: a
+thread of an m16n8k16 A fragment holds columns (2c, 2c + 1) and (2c + 8, 2c + 9) of rows g and g + 8, and word
+c of a row holds column 16 j + c at nibble j (`formats`), so the 8 words a thread loads are every fragment of
+the K-tile's 8 chunks. One PTX block per two neighbouring words (`_pair_planes_asm`) makes all 8 fragments'
+registers: 2 PRMT + 2 SHF + 8 LOP3 + 8 HFMA2 for 16 weights, (code - zero) / 16 exactly in fp16 or bf16 (the
+packed-fp16 GEMV's exponent trick). The MMA sums them in fp32; each scale group's sum is scaled once per row.
+
+Formats: int4 with integer zero points or symmetric, scale groups of 32, 64, multiples of 128 or per channel,
+fp16 or bf16 activations (`tuning.mma_supported`). No float minima, no NF4."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+
+@gluon.constexpr_function
+def _pair_planes_asm(is_fp16):
+    """PTX: two neighbouring words a = $8, b = $9 -> outputs $0-$7, the pairs (nibble j of a, nibble j of b) for
+    j = 0-7 as ``(magic + code) * k + c_j`` (inputs $10-$17: c_j, the per-chunk zero constants): bytes 0-1 of
+    both words side by side (PRMT 0x5410: nibbles 0-3 of a in the low half, of b in the high half), bytes 2-3
+    likewise, each nibble put under the exponent by one LOP3. In fp16 the odd nibbles of a byte pair are taken
+    where they lie, times 16 (1024 + 16 code keeps the exponent; hence two multipliers k); bf16's 7-bit
+    significand cannot hold 128 + 16 code, so there they are shifted down first."""
+    kind = "f16x2" if is_fp16 else "bf16x2"
+    magic = 0x64006400 if is_fp16 else 0x43004300  # 1024 / 128: its ulp is 1
+    k1 = 0x2C002C00 if is_fp16 else 0x3D803D80  # 1/16
+    k16 = 0x1C001C00 if is_fp16 else 0x3D803D80  # 1/256 (fp16, odd nibbles times 16); bf16: 1/16 again
+    lines = [".reg .b32 q0, q1, q2, q3, k1, k16, t;", f"mov.b32 k1, {k1:#x};", f"mov.b32 k16, {k16:#x};",
+             "prmt.b32 q0, $8, $9, 0x5410;", "prmt.b32 q2, $8, $9, 0x7632;",
+             "shr.u32 q1, q0, 8;", "shr.u32 q3, q2, 8;"]
+    for j in range(8):
+        src = f"q{j // 2}"
+        if j % 2 == 0:
+            lines.append(f"lop3.b32 ${j}, {src}, 0x000f000f, {magic:#x}, 0xea;")
+        elif is_fp16:
+            lines.append(f"lop3.b32 ${j}, {src}, 0x00f000f0, {magic:#x}, 0xea;")
+        else:
+            lines += [f"shr.u32 t, {src}, 4;", f"lop3.b32 ${j}, t, 0x000f000f, {magic:#x}, 0xea;"]
+    for j in range(8):
+        lines.append(f"fma.rn.{kind} ${j}, ${j}, {'k1' if j % 2 == 0 else 'k16'}, ${10 + j};")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+@gluon.constexpr_function
+def _pair_planes_constraints():
+    return ",".join(["=r"] * 8 + ["r"] * 2 + ["r"] * 8)
+
+
+@gluon.jit
+def _zero_consts(z_ptr, g, s_stride, rows, live, HAS_ZERO: gl.constexpr, dtype: gl.constexpr):
+    """A group's two constants per row, for the even and the odd nibbles (`_pair_planes_asm`): -(1024 / 16 + z / 16)
+    and -(1024 / 256 + z / 16) in fp16, -(128 / 16 + z / 16) for both in bf16 (z: the zero point, 8 symmetric),
+    so the dequantized value is (code - z) / 16, exact in either dtype."""
+    base: gl.constexpr = 64.0 if dtype == gl.float16 else 8.0
+    base16: gl.constexpr = 4.0 if dtype == gl.float16 else 8.0
+    if HAS_ZERO:
+        z16 = gl.load(z_ptr + g * s_stride + rows, mask=live, other=0).to(gl.float32) * 0.0625
+    else:
+        z16 = gl.full([rows.shape[0]], 0.5, gl.float32, layout=rows.type.layout)
+    return (-(base + z16)).to(dtype)[:, None], (-(base16 + z16)).to(dtype)[:, None]
+
+
+@gluon.jit
+def _dequant_tile(words, c0, c1, c2, c3, c4, c5, c6, c7):
+    """The K-tile's 8 A operands ``[BLOCK_N, 16]`` (chunk j: columns 16 j ... 16 j + 15) from its words, in the
+    constants' dtype."""
+    return gl.inline_asm_elementwise(_pair_planes_asm(c0.dtype == gl.float16), _pair_planes_constraints(),
+                                     [words, c0, c1, c2, c3, c4, c5, c6, c7],
+                                     (c0.dtype, c0.dtype, c0.dtype, c0.dtype, c0.dtype, c0.dtype, c0.dtype, c0.dtype),
+                                     is_pure=True, pack=2)
+
+
+@gluon.jit
+def _pick8(j: gl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
+    if j == 0:
+        r = a0
+    elif j == 1:
+        r = a1
+    elif j == 2:
+        r = a2
+    elif j == 3:
+        r = a3
+    elif j == 4:
+        r = a4
+    elif j == 5:
+        r = a5
+    elif j == 6:
+        r = a6
+    else:
+        r = a7
+    return r
+
+
+@gluon.jit
+def _x_chunk(x_ptrs, m_ok, live, x_k, k_off, K, MASK_K: gl.constexpr):
+    """x's B fragment of the 16 columns from `k_off` (zero past M, K or the split's last tile)."""
+    if MASK_K:
+        return gl.load(x_ptrs + k_off, mask=m_ok & live & ((k_off + x_k) < K)[:, None], other=0.0)
+    return gl.load(x_ptrs + k_off, mask=m_ok & live, other=0.0)
+
+
+@gluon.jit
+def _tile_mma(acc, w_ptrs, x_ptrs, m_ok, x_k, s_ptr, z_ptr, zlo, zhi, tile, live, rows, s_rows, K, s_stride,
+              GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, MASK_K: gl.constexpr):
+    """One K-tile into `acc`: its words (zeros where not `live`, past the split's last tile), the 8 A operands, and
+    per chunk j x's fragment (zero where not live) and one MMA; each scale group's sum scaled once. `zlo` / `zhi`:
+    the zero constants when they are the same for every tile (per channel, symmetric)."""
+    dtype: gl.constexpr = x_ptrs.dtype.element_ty
+    words = gl.load(w_ptrs + tile * 16, mask=live, other=0)
+    c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
+    if HAS_ZERO and not PER_CHANNEL:
+        if GROUP >= 128:
+            zlo, zhi = _zero_consts(z_ptr, tile * 128 // GROUP, s_stride, rows, live, True, dtype)
+            c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
+        elif GROUP == 64:
+            zlo, zhi = _zero_consts(z_ptr, tile * 2, s_stride, rows, live, True, dtype)
+            zlo1, zhi1 = _zero_consts(z_ptr, tile * 2 + 1, s_stride, rows, live, True, dtype)
+            c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo1, zhi1, zlo1, zhi1
+        else:
+            zlo, zhi = _zero_consts(z_ptr, tile * 4, s_stride, rows, live, True, dtype)
+            zlo1, zhi1 = _zero_consts(z_ptr, tile * 4 + 1, s_stride, rows, live, True, dtype)
+            zlo2, zhi2 = _zero_consts(z_ptr, tile * 4 + 2, s_stride, rows, live, True, dtype)
+            zlo3, zhi3 = _zero_consts(z_ptr, tile * 4 + 3, s_stride, rows, live, True, dtype)
+            c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo1, zhi1, zlo2, zhi2, zlo3, zhi3
+    # x's fragments first, all 8 issued before the dequantization they wait beside (placed beside their MMAs,
+    # each load's latency stalled the MMA after it: run 37)
+    x0 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128, K, MASK_K)
+    x1 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 16, K, MASK_K)
+    x2 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 32, K, MASK_K)
+    x3 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 48, K, MASK_K)
+    x4 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 64, K, MASK_K)
+    x5 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 80, K, MASK_K)
+    x6 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 96, K, MASK_K)
+    x7 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 112, K, MASK_K)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _dequant_tile(words, c0, c1, c2, c3, c4, c5, c6, c7)
+    part = gl.zeros_like(acc)
+    for j in gl.static_range(8):
+        a = _pick8(j, a0, a1, a2, a3, a4, a5, a6, a7)
+        xj = _pick8(j, x0, x1, x2, x3, x4, x5, x6, x7)
+        if PER_CHANNEL:
+            acc = mma_v2(a, xj, acc)
+        else:
+            part = mma_v2(a, xj, part)
+            if (16 * (j + 1)) % GROUP == 0 or (j == 7 and GROUP > 128):  # a group's (or tile's) sum, scaled
+                g = (tile * 128 + 16 * j) // GROUP
+                scale = gl.load(s_ptr + g * s_stride + s_rows, mask=live, other=0.0).to(gl.float32)
+                acc += part * scale[:, None]
+                part = gl.zeros_like(acc)
+    return acc
+
+
+@gluon.jit
+def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, num_tiles, per_split,
+                     stride_xm, stride_qn, s_stride, stride_om, stride_split,
+                     GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, REPS: gl.constexpr, TILES: gl.constexpr,
+                     MASK_K: gl.constexpr):
+    """Program (token tile of BLOCK_M = 8 or 16, row tile of 16 x warps x REPS, K split): K-tiles
+    [split * per_split, ...) of `num_tiles`, TILES of them per iteration (their loads issued together: long
+    runs of each row per request burst, as the GEMV's many tiles per iteration); with PARTIAL the fp32 sums go to
+    ``out[split]`` (``[splits, M, N]``, bias added by the reduction)."""
+    WARPS: gl.constexpr = gl.num_warps()
+    BLOCK_N: gl.constexpr = 16 * WARPS * REPS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_layout, k_width=2)
+    off_m = gl.program_id(0) * BLOCK_M
+    off_n = gl.program_id(1) * BLOCK_N
+    split = gl.program_id(2)
+    tile0 = split * per_split
+    tiles = gl.minimum(per_split, num_tiles - tile0)
+
+    rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+    words_cols = gl.arange(0, 16, layout=gl.SliceLayout(0, a_layout))
+    w_ptrs = qw_ptr + rows.to(gl.int64)[:, None] * stride_qn + words_cols[None, :]
+    x_k = gl.arange(0, 16, layout=gl.SliceLayout(1, b_layout))
+    x_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_layout))
+    x_ptrs = x_ptr + x_m.to(gl.int64)[None, :] * stride_xm + x_k[:, None]
+    m_ok = (x_m < M)[None, :]
+    s_rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
+    zlo, zhi = _zero_consts(z_ptr, 0, s_stride, rows, True, HAS_ZERO and PER_CHANNEL, x_ptr.dtype.element_ty)
+    for it in range(0, tiles, TILES):
+        for i in gl.static_range(TILES):
+            acc = _tile_mma(acc, w_ptrs, x_ptrs, m_ok, x_k, s_ptr, z_ptr, zlo, zhi, tile0 + it + i, it + i < tiles, rows,
+                            s_rows, K, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, MASK_K)
+    acc = acc * 16.0
+    if PER_CHANNEL:
+        acc = acc * gl.load(s_ptr + s_rows).to(gl.float32)[:, None]
+    # a layout with consecutive output columns (weight rows) per thread, for wide stores
+    out_layout: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [WARPS, 1], [0, 1])
+    result = gl.convert_layout(acc, out_layout)
+    n_idx = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+    m_idx = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    mask = (n_idx[:, None] < N) & (m_idx[None, :] < M)
+    offsets = m_idx.to(gl.int64)[None, :] * stride_om + n_idx[:, None]
+    if PARTIAL:
+        gl.store(out_ptr + split.to(gl.int64) * stride_split + offsets, result, mask=mask)
+    else:
+        if HAS_BIAS:
+            result = result + gl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(out_ptr + offsets, result.to(out_ptr.dtype.element_ty), mask=mask)
