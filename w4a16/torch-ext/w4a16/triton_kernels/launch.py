@@ -151,7 +151,7 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
 
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     """`wgmma._wgmma_kernel` (Hopper only, `tuning.wgmma_supported`): one program per (token tile, row tile of
-    ``block_n`` = 128 or 256, K split), x and the words by host descriptors (encoded per launch, captured by value
+    128, K split), x and the words by host descriptors (encoded per launch, captured by value
     in CUDA graphs)."""
     # imported here: Triton builds without Gluon's Hopper ops never reach this launcher (`wgmma_supported`)
     from triton.experimental.gluon import language as gl
@@ -160,11 +160,8 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
     from .wgmma import _wgmma_kernel
 
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
-    if block_n not in (128, 256) or (block_n == 256 and block_m > 64):
-        # 256 rows are four accumulator chains: beyond 64 tokens they overflow the registers and ptxas serializes
-        raise ValueError(f"config: wgmma block_n must be 128, or 256 with block_m <= 64; got {plan}")
-    if qweight.shape[0] % block_n:
-        block_n = 128  # rows are padded to 128 only; the kernel reads whole row tiles of scales
+    if block_n != 128:
+        raise ValueError(f"config: wgmma block_n must be 128 (two 64-row accumulator chains); got {plan}")
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
     splits, target = _split_targets(x, out, n, num_tiles, per_split)

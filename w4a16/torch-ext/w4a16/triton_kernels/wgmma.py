@@ -4,8 +4,7 @@ Triton's own pipeliner builds the dot path's operands on the warps that issue th
 a program (`dot._dot_kernel`, docs/design/w4a16.md E2-E8); Triton 3.6's automatic warp specialization fails on
 dequantization loops. Here a CTA is two partitions sharing mbarrier rings:
 
-- a loader warp brings each 128-column K-tile by TMA: the tile's packed words ``[BLOCK_N, 16]`` (128 or 256
-  rows) and x's ``[BLOCK_M, 128]`` (zero-filled past M and K);
+- a loader warp brings each 128-column K-tile by TMA: the tile's packed words ``[128, 16]`` and x's ``[BLOCK_M, 128]`` (zero-filled past M and K);
 - the default warpgroup dequantizes each 16-column K-chunk straight into the wgmma register operand (RS wgmma,
   weight rows as the MMA's M, tokens as its N) while the previous chunk's MMA runs, then writes ``out[M, N]``.
   Nibble j of word c is column ``16 j + c`` (`formats`), so chunk j is nibble j of the words, which a thread
@@ -78,16 +77,11 @@ def _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr
 
 
 @gluon.jit
-def _chain_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, chains: gl.constexpr, HAS_ZERO: gl.constexpr,
-                  HAS_MIN: gl.constexpr, dtype: gl.constexpr):
-    """Group g's parameters for each 64-row chain from `rows` on (chains 2 and 3 repeat 0 and 1 when there are
-    two: never read)."""
-    params0 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN, dtype)
-    params1 = _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN, dtype)
-    if chains == 4:
-        return (params0, params1, _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 128, HAS_ZERO, HAS_MIN, dtype),
-                _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 192, HAS_ZERO, HAS_MIN, dtype))
-    return params0, params1, params0, params1
+def _chain_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
+                  dtype: gl.constexpr):
+    """Group g's parameters for the two 64-row chains from `rows` on."""
+    return (_group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN, dtype),
+            _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN, dtype))
 
 
 @gluon.jit
@@ -131,13 +125,12 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
     """Dequantization into the MMA's register operand beside the previous chunk's asynchronous MMA, then the
     output. The words are loaded in the operand's own layout (a thread holds the words of the K columns its
     fragment needs: word c of a row is column 16 j + c of K-chunk j), so each 16-column chunk j is the words' nibble
-    j, dequantized in place. The rows run as 64-row chains with accumulators of their own (2 for 128 rows, 4 for
-    256): one warpgroup's operand of several MMA repetitions, two warpgroups, or two consumer partitions all made
-    ptxas serialize every wgmma (C7515, "non wgmma instructions defining accumulator registers"); separate chains
-    on one warpgroup do not."""
+    j, dequantized in place. The 128 rows run as two 64-row chains with accumulators of their own: one warpgroup's
+    operand of several MMA repetitions, two warpgroups, or two consumer partitions all made ptxas serialize every
+    wgmma (C7515, "non wgmma instructions defining accumulator registers"); separate chains on one warpgroup do not
+    (four chains for 256 rows pipelined too, but measured slower: docs/design/w4a16.md E13)."""
     stages: gl.constexpr = w_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
-    chains: gl.constexpr = w_bufs.type.shape[1] // 64
     dtype: gl.constexpr = x_bufs.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
@@ -145,59 +138,38 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
     rows = off_n + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
     acc0 = gl.zeros([64, BLOCK_M], gl.float32, layout=acc_layout)
     acc1 = gl.zeros([64, BLOCK_M], gl.float32, layout=acc_layout)
-    acc2 = gl.zeros([64, BLOCK_M], gl.float32, layout=acc_layout)  # chains 2 and 3: unused with 2 chains
-    acc3 = gl.zeros([64, BLOCK_M], gl.float32, layout=acc_layout)
     prev0 = gl.zeros([64, 16], dtype, layout=a_layout)
     prev1 = gl.zeros([64, 16], dtype, layout=a_layout)
-    prev2 = gl.zeros([64, 16], dtype, layout=a_layout)
-    prev3 = gl.zeros([64, 16], dtype, layout=a_layout)
     one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
     for t in range(num_tiles):
         tile = tile0 + t
         if one_group:  # issued before the barrier waits, so its latency overlaps them
-            params0, params1, params2, params3 = _chain_params(s_ptr, z_ptr, m_ptr,
-                                                               0 if PER_CHANNEL else tile * 128 // GROUP, s_stride,
-                                                               rows, chains, HAS_ZERO, HAS_MIN, dtype)
+            params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP, s_stride,
+                                             rows, HAS_ZERO, HAS_MIN, dtype)
         s = t % stages
         phase = (t // stages) & 1
         mbarrier.wait(w_ready.index(s), phase)
         words0 = w_bufs.index(s).slice(0, 64, dim=0).load(a_layout)
         words1 = w_bufs.index(s).slice(64, 64, dim=0).load(a_layout)
-        if chains == 4:
-            words2 = w_bufs.index(s).slice(128, 64, dim=0).load(a_layout)
-            words3 = w_bufs.index(s).slice(192, 64, dim=0).load(a_layout)
         fence_async_shared()
         mbarrier.arrive(w_empty.index(s), count=1)
         mbarrier.wait(x_ready.index(s), phase)
         x_tile = x_bufs.index(s)
         for j in gl.static_range(8):
             if not one_group and (16 * j) % GROUP == 0:
-                params0, params1, params2, params3 = _chain_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP,
-                                                                   s_stride, rows, chains, HAS_ZERO, HAS_MIN, dtype)
+                params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows,
+                                                 HAS_ZERO, HAS_MIN, dtype)
             x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
             a0, acc0 = _chain_step(words0, j, params0, acc0, x_chunk)
             a1, acc1 = _chain_step(words1, j, params1, acc1, x_chunk)
             # retires the chunk before, whose operand registers (prev*) stay live until here; at a tile's first
             # chunk that is the previous tile's last, so its x slot goes back to the loader
-            if chains == 4:
-                a2, acc2 = _chain_step(words2, j, params2, acc2, x_chunk)
-                a3, acc3 = _chain_step(words3, j, params3, acc3, x_chunk)
-                acc0, acc1, acc2, acc3, prev0, prev1, prev2, prev3 = warpgroup_mma_wait(
-                    num_outstanding=4, deps=(acc0, acc1, acc2, acc3, prev0, prev1, prev2, prev3))
-                prev2 = a2
-                prev3 = a3
-            else:
-                acc0, acc1, prev0, prev1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1, prev0, prev1))
+            acc0, acc1, prev0, prev1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1, prev0, prev1))
             if j == 0:
                 mbarrier.arrive(x_empty.index((t + stages - 1) % stages), count=1, pred=t > 0)
             prev0 = a0
             prev1 = a1
-    if chains == 4:
-        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
-        _store_out(acc2, bias_ptr, out_ptr, off_m, off_n + 128, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
-        _store_out(acc3, bias_ptr, out_ptr, off_m, off_n + 192, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
-    else:
-        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
     _store_out(acc0, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
     _store_out(acc1, bias_ptr, out_ptr, off_m, off_n + 64, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
 
@@ -206,7 +178,7 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
 def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split, s_stride,
                   out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
                   HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr):
-    """Program (token tile, row tile of 128 or 256, K split): K-tiles [split * per_split, ...) of `num_tiles`;
+    """Program (token tile, row tile of 128, K split): K-tiles [split * per_split, ...) of `num_tiles`;
     with PARTIAL its fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction).
     4 warps and the loader warp."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
