@@ -220,8 +220,11 @@ MMA_FORMATS = [(True, 128), (False, 128), (True, -1), (False, 32), (True, 32), (
 @pytest.mark.parametrize("zero_point,group_size", MMA_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tiles", [{"num_warps": 4}, {"num_warps": 4, "reps": 2, "tiles": 3, "split_k": 3},
-                                   {"block_m": 16, "num_warps": 2, "tiles": 4, "split_k": 2}],
-                         ids=["8x64", "8x128-3tiles-split3", "16x32-4tiles-split2"])
+                                   {"block_m": 16, "num_warps": 2, "tiles": 4, "split_k": 2},
+                                   {"num_warps": 4, "tiles": 4, "split_k": 3, "x_smem": True},
+                                   {"block_m": 16, "num_warps": 4, "tiles": 2, "x_smem": True}],
+                         ids=["8x64", "8x128-3tiles-split3", "16x32-4tiles-split2", "8x64-4tiles-split3-xsmem",
+                              "16x64-2tiles-xsmem"])
 @pytest.mark.parametrize("m", [1, 13])
 def test_mma_gemv_vs_float64(k, zero_point, group_size, dtype, tiles, m):
     """The Gluon tensor-core GEMV on poisoned outputs against float64: one token (a tile of one live row), 13

@@ -16,7 +16,8 @@ see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the op
 ``num_stages`` (TMA ring of words and x) and ``split_k``; no shipped
 table or heuristic sets it; ``mma``, in any config: where `mma_supported`, run the experimental Gluon
 tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`` (8 or 16), ``num_warps``,
-``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration) and ``split_k``) or
+``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration), ``x_smem`` (x through shared memory) and
+``split_k``) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation

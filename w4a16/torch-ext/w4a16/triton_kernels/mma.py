@@ -107,12 +107,37 @@ def _x_chunk(x_ptrs, m_ok, live, x_k, k_off, K, MASK_K: gl.constexpr):
 
 
 @gluon.jit
-def _tile_mma(acc, w_ptrs, x_ptrs, m_ok, x_k, s_ptr, z_ptr, zlo, zhi, tile, live, rows, s_rows, K, s_stride,
-              GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, MASK_K: gl.constexpr):
+def _x_global(x_ptrs, m_ok, live, x_k, k0, K, MASK_K: gl.constexpr):
+    """A K-tile's 8 B fragments straight from global memory: two 4-byte loads per fragment and thread."""
+    return (_x_chunk(x_ptrs, m_ok, live, x_k, k0, K, MASK_K), _x_chunk(x_ptrs, m_ok, live, x_k, k0 + 16, K, MASK_K),
+            _x_chunk(x_ptrs, m_ok, live, x_k, k0 + 32, K, MASK_K), _x_chunk(x_ptrs, m_ok, live, x_k, k0 + 48, K, MASK_K),
+            _x_chunk(x_ptrs, m_ok, live, x_k, k0 + 64, K, MASK_K), _x_chunk(x_ptrs, m_ok, live, x_k, k0 + 80, K, MASK_K),
+            _x_chunk(x_ptrs, m_ok, live, x_k, k0 + 96, K, MASK_K),
+            _x_chunk(x_ptrs, m_ok, live, x_k, k0 + 112, K, MASK_K))
+
+
+@gluon.jit
+def _x_shared(x_tile, layout: gl.constexpr):
+    """A K-tile's 8 B fragments from its x ``[BLOCK_M, 128]`` in shared memory (rows contiguous along K, so each
+    fragment is an `ldmatrix` of the transposed slice)."""
+    return (x_tile.slice(0, 16, dim=1).permute((1, 0)).load(layout),
+            x_tile.slice(16, 16, dim=1).permute((1, 0)).load(layout),
+            x_tile.slice(32, 16, dim=1).permute((1, 0)).load(layout),
+            x_tile.slice(48, 16, dim=1).permute((1, 0)).load(layout),
+            x_tile.slice(64, 16, dim=1).permute((1, 0)).load(layout),
+            x_tile.slice(80, 16, dim=1).permute((1, 0)).load(layout),
+            x_tile.slice(96, 16, dim=1).permute((1, 0)).load(layout),
+            x_tile.slice(112, 16, dim=1).permute((1, 0)).load(layout))
+
+
+@gluon.jit
+def _tile_mma(acc, xs, w_ptrs, s_ptr, z_ptr, zlo, zhi, tile, live, rows, s_rows, s_stride, GROUP: gl.constexpr,
+              PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr):
     """One K-tile into `acc`: its words (zeros where not `live`, past the split's last tile), the 8 A operands, and
-    per chunk j x's fragment (zero where not live) and one MMA; each scale group's sum scaled once. `zlo` / `zhi`:
-    the zero constants when they are the same for every tile (per channel, symmetric)."""
-    dtype: gl.constexpr = x_ptrs.dtype.element_ty
+    per chunk j one MMA with x's fragment j (`xs`, zero where not live); each scale group's sum scaled once.
+    `zlo` / `zhi`: the zero constants when they are the same for every tile (per channel, symmetric)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs
+    dtype: gl.constexpr = x0.dtype
     words = gl.load(w_ptrs + tile * 16, mask=live, other=0)
     c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
     if HAS_ZERO and not PER_CHANNEL:
@@ -129,16 +154,6 @@ def _tile_mma(acc, w_ptrs, x_ptrs, m_ok, x_k, s_ptr, z_ptr, zlo, zhi, tile, live
             zlo2, zhi2 = _zero_consts(z_ptr, tile * 4 + 2, s_stride, rows, live, True, dtype)
             zlo3, zhi3 = _zero_consts(z_ptr, tile * 4 + 3, s_stride, rows, live, True, dtype)
             c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo1, zhi1, zlo2, zhi2, zlo3, zhi3
-    # x's fragments first, all 8 issued before the dequantization they wait beside (placed beside their MMAs,
-    # each load's latency stalled the MMA after it: run 37)
-    x0 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128, K, MASK_K)
-    x1 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 16, K, MASK_K)
-    x2 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 32, K, MASK_K)
-    x3 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 48, K, MASK_K)
-    x4 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 64, K, MASK_K)
-    x5 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 80, K, MASK_K)
-    x6 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 96, K, MASK_K)
-    x7 = _x_chunk(x_ptrs, m_ok, live, x_k, tile * 128 + 112, K, MASK_K)
     a0, a1, a2, a3, a4, a5, a6, a7 = _dequant_tile(words, c0, c1, c2, c3, c4, c5, c6, c7)
     part = gl.zeros_like(acc)
     for j in gl.static_range(8):
@@ -161,11 +176,14 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, nu
                      stride_xm, stride_qn, s_stride, stride_om, stride_split,
                      GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
                      PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, REPS: gl.constexpr, TILES: gl.constexpr,
-                     MASK_K: gl.constexpr):
+                     MASK_K: gl.constexpr, X_SMEM: gl.constexpr):
     """Program (token tile of BLOCK_M = 8 or 16, row tile of 16 x warps x REPS, K split): K-tiles
     [split * per_split, ...) of `num_tiles`, TILES of them per iteration (their loads issued together: long
     runs of each row per request burst, as the GEMV's many tiles per iteration); with PARTIAL the fp32 sums go to
-    ``out[split]`` (``[splits, M, N]``, bias added by the reduction)."""
+    ``out[split]`` (``[splits, M, N]``, bias added by the reduction). X_SMEM: each iteration's x ``[BLOCK_M, 128 x
+    TILES]`` by 16-byte loads into shared memory (two buffers, one barrier per iteration) and its B fragments by
+    `ldmatrix`, instead of two 4-byte global loads per fragment and thread (their count was the kernel's cost,
+    docs/design/w4a16.md E14)."""
     WARPS: gl.constexpr = gl.num_warps()
     BLOCK_N: gl.constexpr = 16 * WARPS * REPS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
@@ -189,10 +207,32 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, nu
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     zlo, zhi = _zero_consts(z_ptr, 0, s_stride, rows, True, HAS_ZERO and PER_CHANNEL, x_ptr.dtype.element_ty)
+    if X_SMEM:
+        # rows of 8 x values per thread (16-byte loads and stores), rows contiguous along K in shared memory
+        xr_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+        x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BLOCK_M, 128 * TILES],
+                                           gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+        xr_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xr_layout))
+        xr_k = gl.arange(0, 128 * TILES, layout=gl.SliceLayout(0, xr_layout))
+        xr_ptrs = x_ptr + xr_m.to(gl.int64)[:, None] * stride_xm + xr_k[None, :]
+        xr_ok = (xr_m < M)[:, None]
     for it in range(0, tiles, TILES):
+        if X_SMEM:
+            # two buffers: a warp that reaches this store has passed the barrier after the other buffer's store,
+            # so every warp is done reading this buffer from two iterations back
+            buf = x_bufs.index((it // TILES) % 2)
+            k0 = (tile0 + it) * 128
+            ok = xr_ok & ((k0 + xr_k) < K)[None, :] & ((it * 128 + xr_k) < tiles * 128)[None, :]
+            buf.store(gl.load(xr_ptrs + k0, mask=ok, other=0.0))
+            gl.thread_barrier()
         for i in gl.static_range(TILES):
-            acc = _tile_mma(acc, w_ptrs, x_ptrs, m_ok, x_k, s_ptr, z_ptr, zlo, zhi, tile0 + it + i, it + i < tiles, rows,
-                            s_rows, K, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, MASK_K)
+            tile = tile0 + it + i
+            if X_SMEM:
+                xs = _x_shared(buf.slice(128 * i, 128, dim=1), b_layout)
+            else:
+                xs = _x_global(x_ptrs, m_ok, it + i < tiles, x_k, tile * 128, K, MASK_K)
+            acc = _tile_mma(acc, xs, w_ptrs, s_ptr, z_ptr, zlo, zhi, tile, it + i < tiles, rows, s_rows, s_stride,
+                            GROUP, PER_CHANNEL, HAS_ZERO)
     acc = acc * 16.0
     if PER_CHANNEL:
         acc = acc * gl.load(s_ptr + s_rows).to(gl.float32)[:, None]
