@@ -527,7 +527,7 @@ def test_ep_benchmark_runs_on_cpu(built_kernel_dir):
 
 
 # ----------------------------------------------------------------------------------------------------
-# On >= 2 GPUs (NCCL): the decode step captured in a CUDA graph
+# On GPUs (NCCL, world size 1 on one GPU, 2 on two): the decode step captured in a CUDA graph
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -572,13 +572,17 @@ def _gpu_child(rank: int, world: int, built: str, tmp: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_capacity_mode_in_a_cuda_graph_over_nccl(built_kernel_dir, tmp_path):
+@pytest.mark.parametrize("world", [1, 2])
+def test_capacity_mode_in_a_cuda_graph_over_nccl(built_kernel_dir, tmp_path, world):
+    """World size 1 runs on one GPU: the EP path's collectives and its graph capture over NCCL with every expert
+    local; 2 ranks need 2 GPUs."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPU{'s' if world > 1 else ''}")
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(_gpu_child, args=(2, str(built_kernel_dir("moe-dispatch")), str(tmp_path)),
-                                 nprocs=2, join=False, start_method="spawn")
+    context = mp.start_processes(_gpu_child, args=(world, str(built_kernel_dir("moe-dispatch")), str(tmp_path)),
+                                 nprocs=world, join=False, start_method="spawn")
     _join(context, RUN_TIMEOUT)
-    for rank in range(2):
+    for rank in range(world):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert errors["eager"] <= 1e-2 and errors["graph"] <= 1e-2 and errors["dropped"] == 0, errors
