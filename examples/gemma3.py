@@ -54,6 +54,10 @@ for fmt, group_size, zero_point in (("int4", 128, True), ("int4", 128, False), (
     name = f"{fmt}-g{group_size}{'-zp' if zero_point else ''}"
     VARIANTS[name] = dict(fmt=fmt, group_size=group_size, zero_point=zero_point)
     VARIANTS[f"{name}-gptq"] = dict(fmt=fmt, group_size=group_size, zero_point=zero_point, gptq=True)
+# GPTQ with act-order (columns by decreasing Hessian diagonal, groups in that order) at int4 g128
+for zero_point in (True, False):
+    VARIANTS[f"int4-g128{'-zp' if zero_point else ''}-gptq-act"] = dict(fmt="int4", group_size=128,
+                                                                       zero_point=zero_point, gptq=True, act_order=True)
 # Continuations of BOS sampled from the unquantized model (never the evaluation text). 256 tokens stay inside
 # Gemma's 512-token sliding window, so the sliding and the full attention masks are the same causal mask.
 # 32 sequences, not 8: with 8 x 256 tokens GPTQ reached only 0.78 / 0.87 of round-to-nearest's perplexity
@@ -149,7 +153,7 @@ def run_variant(name, spec, model, tokenizer, ids, w4a16, args, calibration, ggu
     elif spec is not None:
         t = time.perf_counter()
         group_sizes = quantize(model, w4a16, spec["fmt"], spec["group_size"], spec["zero_point"],
-                               calibration if spec.get("gptq") else None)
+                               calibration if spec.get("gptq") else None, act_order=spec.get("act_order", False))
         quantize_s = round(time.perf_counter() - t, 1)
         log(f"  quantized {sum(group_sizes.values())} linear layers in {quantize_s} s (per group size: {group_sizes})")
     t = time.perf_counter()
@@ -161,8 +165,8 @@ def run_variant(name, spec, model, tokenizer, ids, w4a16, args, calibration, ggu
         "format": "bfloat16" if spec is None else spec["fmt"],
         "group_size": None if spec is None else spec["group_size"],
         "zero_point": None if spec is None else spec["zero_point"],
-        "method": None if spec is None else "gptq" if spec.get("gptq") else "gguf import" if spec.get("gguf")
-        else "round-to-nearest",
+        "method": None if spec is None else ("gptq act-order" if spec.get("act_order") else "gptq") if spec.get("gptq")
+        else "gguf import" if spec.get("gguf") else "round-to-nearest",
         "layers_per_group_size": {str(g): n for g, n in group_sizes.items()},
         "perplexity": ppl,
         "ppl_ratio_vs_unquantized": None,

@@ -94,18 +94,18 @@ def test_calibration_feeds_each_layer_its_own_keyword_arguments(tiny_gemma3, loa
     assert sum(isinstance(m, w4a16.W4A16Linear) for m in model.modules()) == 42
 
 
-@pytest.mark.parametrize("gptq", [False, True])
+@pytest.mark.parametrize("gptq", [False, True, "act-order"])
 def test_variant_end_to_end(tiny_gemma3, load_kernel, monkeypatch, gptq):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the PyTorch path, which the example takes on CPU
     example = load_example()
     w4a16 = load_kernel("w4a16")
     ids = torch.randint(3, 256, (48,), generator=torch.Generator().manual_seed(2))
     calibration = [torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(3))]
-    spec = dict(fmt="int4", group_size=64, zero_point=True, gptq=gptq)
+    spec = dict(fmt="int4", group_size=64, zero_point=True, gptq=bool(gptq), act_order=gptq == "act-order")
     args = SimpleNamespace(window=24, stride=24)
     row = example.run_variant("int4-g64-zp", spec, tiny_gemma3, SimpleNamespace(bos_token_id=BOS), ids, w4a16, args,
                               calibration)
-    assert row["method"] == ("gptq" if gptq else "round-to-nearest")
+    assert row["method"] == {False: "round-to-nearest", True: "gptq", "act-order": "gptq act-order"}[gptq]
     # 6 layers x q, k, v, o, gate, up, down; all in_features (64, 64, 128) are multiples of 64
     assert row["layers_per_group_size"] == {"64": 42}
     assert math.isfinite(row["perplexity"]) and row["perplexity"] > 1
@@ -116,3 +116,22 @@ def test_variant_end_to_end(tiny_gemma3, load_kernel, monkeypatch, gptq):
     # random weights: 4 bits move the perplexity of a near-uniform model (256 tokens) only a little
     assert row["perplexity"] == pytest.approx(base["perplexity"], rel=0.2)
     assert not any(isinstance(m, w4a16.W4A16Linear) for m in tiny_gemma3.modules())  # the variant copied it
+
+
+def test_report_shows_each_gptq_variant_and_its_goals():
+    """The results page's Gemma-3 table gets a row per GPTQ variant (plain and act-order) of a round-to-nearest
+    row, and a goal per variant, each against the same round-to-nearest row."""
+    from hubtools import report
+
+    def row(variant, method, ppl):
+        return {"variant": variant, "format": "int4", "group_size": 128, "zero_point": False, "method": method,
+                "perplexity": ppl, "ppl_ratio_vs_unquantized": ppl / 20.0, "weight_bytes": 1e6,
+                "layers_per_group_size": {"128": 1}}
+
+    results = {"rows": [dict(row("unquantized", None, 20.0), format="bfloat16", zero_point=None, group_size=None),
+                        row("int4-g128", "round-to-nearest", 40.0), row("int4-g128-gptq", "gptq", 31.0),
+                        row("int4-g128-gptq-act", "gptq act-order", 28.0)]}
+    goals = {g["case"]: g["value"] for g in report.gemma3_goals(results)
+             if g["goal"].startswith("int4 g128 GPTQ perplexity increase")}
+    assert goals == {"Gemma-3-270M int4-g128-gptq": pytest.approx(0.55),
+                     "Gemma-3-270M int4-g128-gptq-act": pytest.approx(0.4)}

@@ -61,9 +61,10 @@ def gptq_true_sequential(w4a16) -> bool:
     return inspect.signature(w4a16.quantize_model).parameters["true_sequential"].default
 
 
-def quantize(model, w4a16, fmt: str, group_size: int, zero_point: bool, calibration=None) -> dict[int, int]:
-    """`w4a16.quantize_model` on every nn.Linear but lm_head (GPTQ on `calibration` when given); returns
-    {group size: layers}.
+def quantize(model, w4a16, fmt: str, group_size: int, zero_point: bool, calibration=None,
+             act_order: bool = False) -> dict[int, int]:
+    """`w4a16.quantize_model` on every nn.Linear but lm_head (GPTQ on `calibration` when given, columns in order of
+    decreasing Hessian diagonal with `act_order`); returns {group size: layers}.
 
     The kernel needs in_features divisible by the group size. A layer it does not divide (SmolLM2's hidden
     size is 576 = 4.5 x 128) gets the largest group size the kernel takes that divides its in_features (64
@@ -72,14 +73,14 @@ def quantize(model, w4a16, fmt: str, group_size: int, zero_point: bool, calibrat
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     misfits = [n for n, m in linears.items() if group_size > 0 and m.in_features % group_size]
     w4a16.quantize_model(model, group_size, skip=("lm_head", *misfits), zero_point=zero_point, fmt=fmt,
-                         calibration=calibration)
+                         calibration=calibration, act_order=act_order)
     counts = {group_size: len(linears) - len(misfits)}
     for fallback in (64, 32):
         fits = [n for n in misfits if linears[n].in_features % fallback == 0]
         rest = [n for n in linears if n not in fits]
         if fits:
             w4a16.quantize_model(model, fallback, skip=("lm_head", *rest), zero_point=zero_point, fmt=fmt,
-                                 calibration=calibration)
+                                 calibration=calibration, act_order=act_order)
             counts[fallback] = len(fits)
         misfits = [n for n in misfits if n not in fits]
     if misfits:
