@@ -78,27 +78,6 @@ def _dequant_tile(words, c0, c1, c2, c3, c4, c5, c6, c7):
 
 
 @gluon.jit
-def _pick8(j: gl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
-    if j == 0:
-        r = a0
-    elif j == 1:
-        r = a1
-    elif j == 2:
-        r = a2
-    elif j == 3:
-        r = a3
-    elif j == 4:
-        r = a4
-    elif j == 5:
-        r = a5
-    elif j == 6:
-        r = a6
-    else:
-        r = a7
-    return r
-
-
-@gluon.jit
 def _x_chunk(x_ptrs, m_ok, live, x_k, k_off, K, MASK_K: gl.constexpr):
     """x's B fragment of the 16 columns from `k_off` (zero past M, K or the split's last tile)."""
     if MASK_K:
@@ -136,8 +115,7 @@ def _tile_mma(acc, xs, w_ptrs, s_ptr, z_ptr, zlo, zhi, tile, live, rows, s_rows,
     """One K-tile into `acc`: its words (zeros where not `live`, past the split's last tile), the 8 A operands, and
     per chunk j one MMA with x's fragment j (`xs`, zero where not live); each scale group's sum scaled once.
     `zlo` / `zhi`: the zero constants when they are the same for every tile (per channel, symmetric)."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = xs
-    dtype: gl.constexpr = x0.dtype
+    dtype: gl.constexpr = xs[0].dtype
     words = gl.load(w_ptrs + tile * 16, mask=live, other=0)
     c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
     if HAS_ZERO and not PER_CHANNEL:
@@ -154,15 +132,13 @@ def _tile_mma(acc, xs, w_ptrs, s_ptr, z_ptr, zlo, zhi, tile, live, rows, s_rows,
             zlo2, zhi2 = _zero_consts(z_ptr, tile * 4 + 2, s_stride, rows, live, True, dtype)
             zlo3, zhi3 = _zero_consts(z_ptr, tile * 4 + 3, s_stride, rows, live, True, dtype)
             c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo1, zhi1, zlo2, zhi2, zlo3, zhi3
-    a0, a1, a2, a3, a4, a5, a6, a7 = _dequant_tile(words, c0, c1, c2, c3, c4, c5, c6, c7)
+    a = _dequant_tile(words, c0, c1, c2, c3, c4, c5, c6, c7)
     part = gl.zeros_like(acc)
     for j in gl.static_range(8):
-        a = _pick8(j, a0, a1, a2, a3, a4, a5, a6, a7)
-        xj = _pick8(j, x0, x1, x2, x3, x4, x5, x6, x7)
         if PER_CHANNEL:
-            acc = mma_v2(a, xj, acc)
+            acc = mma_v2(a[j], xs[j], acc)
         else:
-            part = mma_v2(a, xj, part)
+            part = mma_v2(a[j], xs[j], part)
             if (16 * (j + 1)) % GROUP == 0 or (j == 7 and GROUP > 128):  # a group's (or tile's) sum, scaled
                 g = (tile * 128 + 16 * j) // GROUP
                 scale = gl.load(s_ptr + g * s_stride + s_rows, mask=live, other=0.0).to(gl.float32)
