@@ -44,7 +44,6 @@ from .quantized import FLOAT_DTYPES, QuantizedExperts, check_group_size, pack, p
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
-_SHIFTS = tuple(range(0, 32, 4))
 # (gate, up, down) projection names per naming scheme: transformers 5 / GPTQModel, Mixtral's original.
 _PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
@@ -133,9 +132,10 @@ def _open_shards(files: list[str]):
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [..., W] -> [..., W, 8]: nibble i of each word at index i."""
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
-    return (packed.unsqueeze(-1) >> shifts) & 0xF
+    """int32 [..., W] -> uint8 [..., W, 8]: nibble i of each word at index i. From the words' bytes (little-endian:
+    byte b holds nibbles 2b and 2b + 1), so no 32-bit intermediate per nibble."""
+    word_bytes = packed.contiguous().view(torch.uint8).view(*packed.shape, 4)
+    return torch.stack((word_bytes & 0xF, word_bytes >> 4), dim=-1).view(*packed.shape, 8)
 
 
 def _check(name: str, t: torch.Tensor, dtypes, shape: tuple) -> None:

@@ -208,14 +208,13 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes ``[..., N, K]`` (values 0..15) -> ``qweight`` int32 ``[..., Np, Kp // 8]`` in the tiled layout."""
     *lead, n, k = codes.shape
     np_, kp = round_up(n, PAD_N), round_up(k, TILE_K)
-    full = torch.zeros(*lead, np_, kp, dtype=torch.int64, device=codes.device)
+    full = torch.zeros(*lead, np_, kp, dtype=torch.uint8, device=codes.device)
     full[..., :n, :k] = codes
-    tiles = full.view(*lead, np_, kp // TILE_K, 8, WORDS_PER_TILE)  # [..., n, tile, j, c]
-    words = torch.zeros(*lead, np_, kp // TILE_K, WORDS_PER_TILE, dtype=torch.int64, device=codes.device)
-    for j in range(8):
-        words |= tiles[..., j, :] << (4 * j)
-    words = torch.where(words >= 2**31, words - 2**32, words)  # reinterpret as int32 two's complement
-    return words.to(torch.int32).view(*lead, np_, kp // 8)
+    tiles = full.view(*lead, np_, kp // TILE_K, 4, 2, WORDS_PER_TILE)  # [..., n, tile, byte b, nibble of b, c]
+    # byte b of word c holds nibbles j = 2b (low) and 2b + 1 (high); four bytes are the word, little-endian: byte
+    # arithmetic and one reinterpretation, no 64-bit intermediate
+    word_bytes = tiles[..., 0, :] | (tiles[..., 1, :] << 4)  # [..., n, tile, b, c]
+    return word_bytes.transpose(-1, -2).contiguous().view(torch.int32).view(*lead, np_, kp // 8)
 
 
 def unpack(qweight: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

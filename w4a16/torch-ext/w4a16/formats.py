@@ -188,13 +188,13 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes ``[N, K]`` (values 0..15) -> ``qweight`` int32 ``[Np, Kp // 8]`` in the tiled layout."""
     n, k = codes.shape
     np_, kp = round_up(n, PAD_N), round_up(k, TILE_K)
-    full = torch.zeros(np_, kp, dtype=torch.int64, device=codes.device)
+    full = torch.zeros(np_, kp, dtype=torch.uint8, device=codes.device)
     full[:n, :k] = codes
-    tiles = full.view(np_, kp // TILE_K, 8, WORDS_PER_TILE)  # [n, tile, j, c]
-    shifts = torch.arange(0, 32, 4, device=codes.device).view(1, 1, 8, 1)
-    words = (tiles << shifts).sum(dim=2)  # the nibbles do not overlap: the sum is their OR
-    words = torch.where(words >= 2**31, words - 2**32, words)  # reinterpret as int32 two's complement
-    return words.to(torch.int32).view(np_, kp // 8)
+    tiles = full.view(np_, kp // TILE_K, 4, 2, WORDS_PER_TILE)  # [n, tile, byte b, nibble of the byte, c]
+    # byte b of word c holds nibbles j = 2b (low) and 2b + 1 (high); four bytes are the word, little-endian: byte
+    # arithmetic and one reinterpretation, no 64-bit intermediate (a quarter of the memory traffic of shifts in int64)
+    word_bytes = tiles[:, :, :, 0] | (tiles[:, :, :, 1] << 4)  # [n, tile, b, c]
+    return word_bytes.permute(0, 1, 3, 2).contiguous().view(torch.int32).view(np_, kp // 8)
 
 
 def unpack(qweight: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

@@ -28,7 +28,6 @@ import torch
 
 from .formats import FLOAT_DTYPES, NF4_CODEBOOK, QuantizedWeight, check_group_size, from_codes
 
-_SHIFTS = tuple(range(0, 32, 4))
 # GGUF 4-bit tensor type -> (weights per block, bytes per block)
 GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column 8c + AWQ_PACK_ORDER[i]
@@ -53,9 +52,10 @@ def _check_devices(**tensors) -> None:
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [..., W] -> [..., W, 8]: nibble i of each word at index i."""
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
-    return (packed.unsqueeze(-1) >> shifts) & 0xF
+    """int32 [..., W] -> uint8 [..., W, 8]: nibble i of each word at index i. From the words' bytes (little-endian:
+    byte b holds nibbles 2b and 2b + 1), so no 32-bit intermediate per nibble."""
+    word_bytes = packed.contiguous().view(torch.uint8).view(*packed.shape, 4)
+    return torch.stack((word_bytes & 0xF, word_bytes >> 4), dim=-1).view(*packed.shape, 8)
 
 
 def _unpack_along_last(packed: torch.Tensor, n: int) -> torch.Tensor:
