@@ -525,3 +525,22 @@ print("allowed:", kernels.get_kernel({repo_id!r}, version=1, trust_remote_code=T
 """)
     assert "refused: Kernel repository 'untrusted-org/tiny' is not from a trusted publisher" in out
     assert "allowed: 2" in out
+
+
+def test_a_client_resetting_its_connection_is_not_reported_as_a_server_error(tmp_path, capsys):
+    """socketserver prints a traceback for any exception a handler raises; a client that closes its keep-alive
+    connection (ConnectionResetError while the handler waits for the next request) is not one, other errors are."""
+    from hubtools.hub.api import KernelHub
+    from hubtools.hub.server import HubHTTPServer
+
+    server = HubHTTPServer(KernelHub(tmp_path / "data"), "127.0.0.1", 0, quiet=True)
+    try:
+        for error, reported in ((ConnectionResetError(104, "Connection reset by peer"), False),
+                                (ValueError("a handler bug"), True)):
+            try:
+                raise error
+            except Exception:
+                server.handle_error(None, ("127.0.0.1", 1))
+            assert (type(error).__name__ in capsys.readouterr().err) == reported
+    finally:
+        server.server_close()

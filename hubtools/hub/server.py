@@ -111,6 +111,13 @@ class HubHTTPServer(ThreadingHTTPServer):
         self.hub, self.quiet = hub, quiet
         super().__init__((host, port), HubRequestHandler)
 
+    def handle_error(self, request, client_address) -> None:
+        # A client closing its keep-alive connection while the handler waits for the next request line is not a
+        # server error (socketserver would print its traceback); anything else still is.
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return
+        super().handle_error(request, client_address)
+
 
 # --------------------------------------------------------------------------------------------------- command line
 
