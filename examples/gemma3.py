@@ -165,8 +165,7 @@ def run_variant(name, spec, model, tokenizer, ids, w4a16, args, calibration, ggu
         "format": "bfloat16" if spec is None else spec["fmt"],
         "group_size": None if spec is None else spec["group_size"],
         "zero_point": None if spec is None else spec["zero_point"],
-        "method": None if spec is None else ("gptq act-order" if spec.get("act_order") else "gptq") if spec.get("gptq")
-        else "gguf import" if spec.get("gguf") else "round-to-nearest",
+        "method": _method(spec),
         "layers_per_group_size": {str(g): n for g, n in group_sizes.items()},
         "perplexity": ppl,
         "ppl_ratio_vs_unquantized": None,
@@ -174,6 +173,17 @@ def run_variant(name, spec, model, tokenizer, ids, w4a16, args, calibration, ggu
         "quantize_s": quantize_s,
         "perplexity_s": perplexity_s,
     }
+
+
+def _method(spec) -> str | None:
+    """How a variant's weights were made (None: the model as loaded)."""
+    if spec is None:
+        return None
+    if spec.get("gguf"):
+        return "gguf import"
+    if spec.get("gptq"):
+        return "gptq act-order" if spec.get("act_order") else "gptq"
+    return "round-to-nearest"
 
 
 def print_table(results: dict) -> None:

@@ -207,12 +207,13 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, nu
             gl.thread_barrier()
         for i in gl.static_range(TILES):
             tile = tile0 + it + i
+            live = it + i < tiles
             if X_SMEM:
                 xs = _x_shared(buf.slice(128 * i, 128, dim=1), b_layout)
             else:
-                xs = _x_global(x_ptrs, m_ok, it + i < tiles, x_k, tile * 128, K, MASK_K)
-            acc = _tile_mma(acc, xs, w_ptrs, s_ptr, z_ptr, zlo, zhi, tile, it + i < tiles, rows, s_rows, s_stride,
-                            GROUP, PER_CHANNEL, HAS_ZERO)
+                xs = _x_global(x_ptrs, m_ok, live, x_k, tile * 128, K, MASK_K)
+            acc = _tile_mma(acc, xs, w_ptrs, s_ptr, z_ptr, zlo, zhi, tile, live, rows, s_rows, s_stride, GROUP,
+                            PER_CHANNEL, HAS_ZERO)
     acc = acc * 16.0
     if PER_CHANNEL:
         acc = acc * gl.load(s_ptr + s_rows).to(gl.float32)[:, None]
