@@ -222,9 +222,11 @@ MMA_FORMATS = [(True, 128), (False, 128), (True, -1), (False, 32), (True, 32), (
 @pytest.mark.parametrize("tiles", [{"num_warps": 4}, {"num_warps": 4, "reps": 2, "tiles": 3, "split_k": 3},
                                    {"block_m": 16, "num_warps": 2, "tiles": 4, "split_k": 2},
                                    {"num_warps": 4, "tiles": 4, "split_k": 3, "x_smem": True},
-                                   {"block_m": 16, "num_warps": 4, "tiles": 2, "x_smem": True}],
+                                   {"block_m": 16, "num_warps": 4, "tiles": 2, "x_smem": True},
+                                   {"num_warps": 4, "tiles": 2, "stages": 3, "split_k": 3},
+                                   {"block_m": 16, "num_warps": 2, "reps": 2, "tiles": 4, "stages": 2}],
                          ids=["8x64", "8x128-3tiles-split3", "16x32-4tiles-split2", "8x64-4tiles-split3-xsmem",
-                              "16x64-2tiles-xsmem"])
+                              "16x64-2tiles-xsmem", "8x64-2tiles-3stages-split3", "16x64-4tiles-2stages"])
 @pytest.mark.parametrize("m", [1, 13])
 def test_mma_gemv_vs_float64(k, zero_point, group_size, dtype, tiles, m):
     """The Gluon tensor-core GEMV on poisoned outputs against float64: one token (a tile of one live row), 13
@@ -240,6 +242,20 @@ def test_mma_gemv_vs_float64(k, zero_point, group_size, dtype, tiles, m):
     first, second = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, bias, n, kk, group_size, config)
                      for _ in range(2))
     assert torch.equal(first, second)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="mma.sync needs sm_80+")
+def test_mma_gemv_ring_takes_x_rows_cp_async_cannot_copy_in_one_stage(k):
+    """x rows that are not 16-byte aligned (a column slice) cannot be copied by the cp.async ring: the plan drops
+    to one stage, and the result stays exact."""
+    n, kk = 512, 1024
+    qw = k.quantize(_weight(n, kk, torch.float16), group_size=128)
+    x = torch.randn(4, kk + 3, device="cuda", dtype=torch.float16)[:, 3:]
+    config = {**k.tuning.heuristic(4, n, kk, 132), "mma": {"num_warps": 4, "tiles": 2, "stages": 3}}
+    assert k.tuning.resolve(config, x, None, 128, has_zeros=True)["stages"] == 1
+    assert k.tuning.resolve(config, x.contiguous(), None, 128, has_zeros=True)["stages"] == 3
+    _check_launch(k, x, qw, None, config)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),

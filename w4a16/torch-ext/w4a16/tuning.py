@@ -16,8 +16,9 @@ see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the op
 ``num_stages`` (TMA ring of words and x) and ``split_k``; no shipped
 table or heuristic sets it; ``mma``, in any config: where `mma_supported`, run the experimental Gluon
 tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`` (8 or 16), ``num_warps``,
-``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration), ``x_smem`` (x through shared memory) and
-``split_k``) or
+``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration), ``x_smem`` (x through shared memory),
+``stages`` (a cp.async ring of that many slots for the words, x, scales and zero points; x rows 16-byte aligned,
+else one stage) and ``split_k``) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
@@ -225,7 +226,11 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bo
     minima, `has_zeros`: integer zero points; see the module doc); with `swiglu` (a fused gate / up weight in the
     SwiGLU layout) for the epilogue silu(gate) * up."""
     if config.get("mma") and mma_supported(x, codebook, group_size, swiglu, has_mins):
-        return {**config["mma"], "kernel": "mma"}
+        plan = {**config["mma"], "kernel": "mma"}
+        if plan.get("stages", 1) > 1 and not tma_rows(x):
+            # the cp.async ring copies x's rows in 16-byte pieces; other rows take the one-stage loop
+            plan.update(stages=1, x_smem=True)
+        return plan
     if config["kernel"] == "dot" and config.get("wgmma") and wgmma_supported(x, codebook, group_size, swiglu):
         return {**config["wgmma"], "kernel": "wgmma"}
     plan = _format_plan(config, x, codebook, group_size, has_mins, has_zeros)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 
 @gluon.constexpr_function
@@ -58,17 +58,29 @@ def _pair_planes_constraints():
 
 
 @gluon.jit
-def _zero_consts(z_ptr, g, s_stride, rows, live, HAS_ZERO: gl.constexpr, dtype: gl.constexpr):
-    """A group's two constants per row, for the even and the odd nibbles (`_pair_planes_asm`): -(1024 / 16 + z / 16)
-    and -(1024 / 256 + z / 16) in fp16, -(128 / 16 + z / 16) for both in bf16 (z: the zero point, 8 symmetric),
-    so the dequantized value is (code - z) / 16, exact in either dtype."""
+def _zero_pair(z16, dtype: gl.constexpr):
+    """A group's two constants per row from z / 16 (`z16`, fp32), for the even and the odd nibbles
+    (`_pair_planes_asm`): -(1024 / 16 + z / 16) and -(1024 / 256 + z / 16) in fp16, -(128 / 16 + z / 16) for both in
+    bf16, so the dequantized value is (code - z) / 16, exact in either dtype."""
     base: gl.constexpr = 64.0 if dtype == gl.float16 else 8.0
     base16: gl.constexpr = 4.0 if dtype == gl.float16 else 8.0
+    return (-(base + z16)).to(dtype)[:, None], (-(base16 + z16)).to(dtype)[:, None]
+
+
+@gluon.jit
+def _zero_consts(z_ptr, g, s_stride, rows, live, HAS_ZERO: gl.constexpr, dtype: gl.constexpr):
+    """`_zero_pair` of group `g`'s zero points from global memory (8 when symmetric)."""
     if HAS_ZERO:
         z16 = gl.load(z_ptr + g * s_stride + rows, mask=live, other=0).to(gl.float32) * 0.0625
     else:
         z16 = gl.full([rows.shape[0]], 0.5, gl.float32, layout=rows.type.layout)
-    return (-(base + z16)).to(dtype)[:, None], (-(base16 + z16)).to(dtype)[:, None]
+    return _zero_pair(z16, dtype)
+
+
+@gluon.jit
+def _ring_zeros(z_ring, row, layout: gl.constexpr, dtype: gl.constexpr):
+    """`_zero_pair` of a group's zero points from its row of the shared-memory ring."""
+    return _zero_pair(z_ring.index(row).load(layout).to(gl.float32) * 0.0625, dtype)
 
 
 @gluon.jit
@@ -114,16 +126,34 @@ def _x_shared(x_tile, layout: gl.constexpr):
 
 
 @gluon.jit
-def _tile_mma(acc, xs, w_ptrs, s_ptr, z_ptr, zlo, zhi, tile, live, rows, s_rows, s_stride, GROUP: gl.constexpr,
-              PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr):
-    """One K-tile into `acc`: its words (zeros where not `live`, past the split's last tile), the 8 A operands, and
-    per chunk j one MMA with x's fragment j (`xs`, zero where not live); each scale group's sum scaled once.
-    `zlo` / `zhi`: the zero constants when they are the same for every tile (per channel, symmetric)."""
+def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, tile, i: gl.constexpr, live, rows, s_rows,
+              s_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
+              SCALE_RING: gl.constexpr):
+    """One K-tile (tile `i` of its iteration) into `acc`: the 8 A operands from its words, and per chunk j one MMA
+    with x's fragment j (`xs`, zero where not live); each scale group's sum scaled once. `zlo` / `zhi`: the zero
+    constants when they are the same for every tile (per channel, symmetric). With SCALE_RING the iteration's
+    scales and zero points come from the shared-memory rings (`s_ring` / `z_ring`: a row of BLOCK_N per group,
+    the iteration's first at `g_row`), else from global memory."""
     dtype: gl.constexpr = xs[0].dtype
-    words = gl.load(w_ptrs + tile * 16, mask=live, other=0)
+    z_layout: gl.constexpr = rows.type.layout
+    s_layout: gl.constexpr = s_rows.type.layout
     c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
     if HAS_ZERO and not PER_CHANNEL:
-        if GROUP >= 128:
+        if SCALE_RING:
+            if GROUP == 128:
+                zlo, zhi = _ring_zeros(z_ring, g_row + i, z_layout, dtype)
+                c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
+            elif GROUP == 64:
+                zlo, zhi = _ring_zeros(z_ring, g_row + 2 * i, z_layout, dtype)
+                zlo1, zhi1 = _ring_zeros(z_ring, g_row + 2 * i + 1, z_layout, dtype)
+                c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo1, zhi1, zlo1, zhi1
+            else:
+                zlo, zhi = _ring_zeros(z_ring, g_row + 4 * i, z_layout, dtype)
+                zlo1, zhi1 = _ring_zeros(z_ring, g_row + 4 * i + 1, z_layout, dtype)
+                zlo2, zhi2 = _ring_zeros(z_ring, g_row + 4 * i + 2, z_layout, dtype)
+                zlo3, zhi3 = _ring_zeros(z_ring, g_row + 4 * i + 3, z_layout, dtype)
+                c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo1, zhi1, zlo2, zhi2, zlo3, zhi3
+        elif GROUP >= 128:
             zlo, zhi = _zero_consts(z_ptr, tile * 128 // GROUP, s_stride, rows, live, True, dtype)
             c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
         elif GROUP == 64:
@@ -144,11 +174,38 @@ def _tile_mma(acc, xs, w_ptrs, s_ptr, z_ptr, zlo, zhi, tile, live, rows, s_rows,
         else:
             part = mma_v2(a[j], xs[j], part)
             if (16 * (j + 1)) % GROUP == 0 or (j == 7 and GROUP > 128):  # a group's (or tile's) sum, scaled
-                g = (tile * 128 + 16 * j) // GROUP
-                scale = gl.load(s_ptr + g * s_stride + s_rows, mask=live, other=0.0).to(gl.float32)
+                if SCALE_RING:
+                    scale = s_ring.index(g_row + (i * 128 + 16 * j) // GROUP).load(s_layout).to(gl.float32)
+                else:
+                    g = (tile * 128 + 16 * j) // GROUP
+                    scale = gl.load(s_ptr + g * s_stride + s_rows, mask=live, other=0.0).to(gl.float32)
                 acc += part * scale[:, None]
                 part = gl.zeros_like(acc)
     return acc
+
+
+@gluon.jit
+def _ring_issue(w_slot, x_slot, s_ring, z_ring, g_row, w_src, w_cols, x_src, x_ok, x_k, s_src, z_src, it, tile0,
+                tiles, K, s_stride, TILES: gl.constexpr, GROUP: gl.constexpr, HAS_ZERO: gl.constexpr,
+                SCALE_RING: gl.constexpr):
+    """Start the copies of iteration `it` (its TILES K-tiles from `tile0`) into one slot of the ring: the words
+    ``[BLOCK_N, 16 x TILES]``, x ``[BLOCK_M, 128 x TILES]`` and with SCALE_RING the scales and zero points of
+    its TILES x 128 / GROUP groups, a ring row each from `g_row`; zeros past the split's last tile (or past K,
+    for x), and past the last iteration, where nothing is read."""
+    t0 = it * TILES
+    async_copy.async_copy_global_to_shared(w_slot, w_src + (tile0 + t0) * 16,
+                                           mask=((t0 * 16 + w_cols) < tiles * 16)[None, :])
+    k0 = (tile0 + t0) * 128
+    async_copy.async_copy_global_to_shared(x_slot, x_src + k0,
+                                           mask=x_ok & ((k0 + x_k) < K)[None, :] & ((t0 * 128 + x_k) < tiles * 128)[None, :])
+    if SCALE_RING:
+        for g in gl.static_range(TILES * 128 // GROUP):
+            # one row per group: shared-memory views cannot be indexed down to rank 1 from a 2-D slot
+            g_ok = t0 * 128 // GROUP + g < tiles * 128 // GROUP
+            off = ((tile0 + t0) * 128 // GROUP + g) * s_stride
+            async_copy.async_copy_global_to_shared(s_ring.index(g_row + g), s_src + off, mask=g_ok)
+            if HAS_ZERO:
+                async_copy.async_copy_global_to_shared(z_ring.index(g_row + g), z_src + off, mask=g_ok)
 
 
 @gluon.jit
@@ -156,16 +213,20 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, nu
                      stride_xm, stride_qn, s_stride, stride_om, stride_split,
                      GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
                      PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, REPS: gl.constexpr, TILES: gl.constexpr,
-                     MASK_K: gl.constexpr, X_SMEM: gl.constexpr):
+                     MASK_K: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr):
     """Program (token tile of BLOCK_M = 8 or 16, row tile of 16 x warps x REPS, K split): K-tiles
     [split * per_split, ...) of `num_tiles`, TILES of them per iteration (their loads issued together: long
     runs of each row per request burst, as the GEMV's many tiles per iteration); with PARTIAL the fp32 sums go to
     ``out[split]`` (``[splits, M, N]``, bias added by the reduction). X_SMEM: each iteration's x ``[BLOCK_M, 128 x
     TILES]`` by 16-byte loads into shared memory (two buffers, one barrier per iteration) and its B fragments by
     `ldmatrix`, instead of two 4-byte global loads per fragment and thread (their count was the kernel's cost,
-    docs/design/w4a16.md E14)."""
+    docs/design/w4a16.md E14). STAGES > 1 (x rows 16-byte aligned): a ring of STAGES slots filled by `cp.async`
+    STAGES - 1 iterations ahead, holding the words, x and (groups of up to 128) the scales and zero points, so no
+    load of an iteration waits in it (E15); the words then reach the A layout from shared memory."""
     WARPS: gl.constexpr = gl.num_warps()
     BLOCK_N: gl.constexpr = 16 * WARPS * REPS
+    RING: gl.constexpr = STAGES > 1
+    SCALE_RING: gl.constexpr = RING and not PER_CHANNEL and GROUP <= 128
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -187,33 +248,80 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, nu
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     zlo, zhi = _zero_consts(z_ptr, 0, s_stride, rows, True, HAS_ZERO and PER_CHANNEL, x_ptr.dtype.element_ty)
-    if X_SMEM:
+    if X_SMEM or RING:
         # rows of 8 x values per thread (16-byte loads and stores), rows contiguous along K in shared memory
         xr_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
-        x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BLOCK_M, 128 * TILES],
-                                           gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+        x_shared: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
         xr_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xr_layout))
         xr_k = gl.arange(0, 128 * TILES, layout=gl.SliceLayout(0, xr_layout))
         xr_ptrs = x_ptr + xr_m.to(gl.int64)[:, None] * stride_xm + xr_k[None, :]
         xr_ok = (xr_m < M)[:, None]
-    for it in range(0, tiles, TILES):
-        if X_SMEM:
-            # two buffers: a warp that reaches this store has passed the barrier after the other buffer's store,
-            # so every warp is done reading this buffer from two iterations back
-            buf = x_bufs.index((it // TILES) % 2)
-            k0 = (tile0 + it) * 128
-            ok = xr_ok & ((k0 + xr_k) < K)[None, :] & ((it * 128 + xr_k) < tiles * 128)[None, :]
-            buf.store(gl.load(xr_ptrs + k0, mask=ok, other=0.0))
+    if RING:
+        # words as 16-byte copies; in shared memory 16-byte units swizzled by row, so the A layout's 8-byte reads
+        # of 8 rows fall in different banks
+        wr_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
+        wr_rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wr_layout))
+        wr_cols = gl.arange(0, 16 * TILES, layout=gl.SliceLayout(0, wr_layout))
+        wr_ptrs = qw_ptr + wr_rows.to(gl.int64)[:, None] * stride_qn + wr_cols[None, :]
+        w_ring = gl.allocate_shared_memory(qw_ptr.dtype.element_ty, [STAGES, BLOCK_N, 16 * TILES],
+                                           gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
+        x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, 128 * TILES], x_shared)
+        # scales and zero points: a row of BLOCK_N per group, GROUPS rows per slot
+        GROUPS: gl.constexpr = TILES * 128 // GROUP if SCALE_RING else 1
+        sr_n = off_n + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([8], [32], [WARPS], [0]))
+        rows_1d: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        s_ring = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES * GROUPS, BLOCK_N], rows_1d)
+        z_ring = gl.allocate_shared_memory(z_ptr.dtype.element_ty, [STAGES * GROUPS, BLOCK_N], rows_1d)
+        iters = (tiles + TILES - 1) // TILES
+        for st in gl.static_range(STAGES - 1):
+            _ring_issue(w_ring.index(st), x_ring.index(st), s_ring, z_ring, st * GROUPS, wr_ptrs, wr_cols,
+                        xr_ptrs, xr_ok, xr_k, s_ptr + sr_n, z_ptr + sr_n, st, tile0, tiles, K, s_stride,
+                        TILES, GROUP, HAS_ZERO, SCALE_RING)
+            async_copy.commit_group()
+        for it in range(0, iters):
+            # iteration it's copies done (this thread's), then everyone's visible and everyone past iteration
+            # it - 1, whose slot the next copies overwrite
+            async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
-        for i in gl.static_range(TILES):
-            tile = tile0 + it + i
-            live = it + i < tiles
+            nxt = it + STAGES - 1
+            ns = nxt % STAGES
+            _ring_issue(w_ring.index(ns), x_ring.index(ns), s_ring, z_ring, ns * GROUPS, wr_ptrs, wr_cols,
+                        xr_ptrs, xr_ok, xr_k, s_ptr + sr_n, z_ptr + sr_n, nxt, tile0, tiles, K, s_stride,
+                        TILES, GROUP, HAS_ZERO, SCALE_RING)
+            async_copy.commit_group()
+            slot = it % STAGES
+            w_slot = w_ring.index(slot)
+            x_slot = x_ring.index(slot)
+            for i in gl.static_range(TILES):
+                tile = tile0 + it * TILES + i
+                live = it * TILES + i < tiles
+                xs = _x_shared(x_slot.slice(128 * i, 128, dim=1), b_layout)
+                words = w_slot.slice(16 * i, 16, dim=1).load(a_layout)
+                acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, slot * GROUPS, zlo, zhi, tile, i,
+                                live, rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, SCALE_RING)
+        async_copy.wait_group(0)
+    else:
+        if X_SMEM:
+            x_bufs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, BLOCK_M, 128 * TILES], x_shared)
+        for it in range(0, tiles, TILES):
             if X_SMEM:
-                xs = _x_shared(buf.slice(128 * i, 128, dim=1), b_layout)
-            else:
-                xs = _x_global(x_ptrs, m_ok, live, x_k, tile * 128, K, MASK_K)
-            acc = _tile_mma(acc, xs, w_ptrs, s_ptr, z_ptr, zlo, zhi, tile, live, rows, s_rows, s_stride, GROUP,
-                            PER_CHANNEL, HAS_ZERO)
+                # two buffers: a warp that reaches this store has passed the barrier after the other buffer's
+                # store, so every warp is done reading this buffer from two iterations back
+                buf = x_bufs.index((it // TILES) % 2)
+                k0 = (tile0 + it) * 128
+                ok = xr_ok & ((k0 + xr_k) < K)[None, :] & ((it * 128 + xr_k) < tiles * 128)[None, :]
+                buf.store(gl.load(xr_ptrs + k0, mask=ok, other=0.0))
+                gl.thread_barrier()
+            for i in gl.static_range(TILES):
+                tile = tile0 + it + i
+                live = it + i < tiles
+                if X_SMEM:
+                    xs = _x_shared(buf.slice(128 * i, 128, dim=1), b_layout)
+                else:
+                    xs = _x_global(x_ptrs, m_ok, live, x_k, tile * 128, K, MASK_K)
+                words = gl.load(w_ptrs + tile * 16, mask=live, other=0)
+                acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, None, None, 0, zlo, zhi, tile, i, live, rows, s_rows,
+                                s_stride, GROUP, PER_CHANNEL, HAS_ZERO, False)
     acc = acc * 16.0
     if PER_CHANNEL:
         acc = acc * gl.load(s_ptr + s_rows).to(gl.float32)[:, None]
