@@ -232,12 +232,13 @@ def test_mma_gemv_vs_float64(k, zero_point, group_size, dtype, tiles, m):
     """The Gluon tensor-core GEMV on poisoned outputs against float64: one token (a tile of one live row), 13
     (two 8-token tiles, or one of 16, partial), split-K partials; N = 3000 leaves a partial row tile, K = 5000
     (per channel) a partial K-tile; a second launch must give the same bits."""
-    n, kk = 3000, 5120 if group_size != -1 else 5000
+    n, kk = 3000, 5120 if group_size != -1 or "stages" in tiles else 5000
     qw = k.quantize(_weight(n, kk, dtype, seed=10), group_size=group_size, zero_point=zero_point)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     config = {**k.tuning.heuristic(m, n, kk, 132), "mma": tiles}
-    assert k.tuning.resolve(config, x, None, group_size, has_zeros=zero_point is True)["kernel"] == "mma"
+    plan = k.tuning.resolve(config, x, None, group_size, has_zeros=zero_point is True)
+    assert plan["kernel"] == "mma" and plan.get("stages", 1) == tiles.get("stages", 1)
     _check_launch(k, x, qw, bias, config)
     first, second = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, bias, n, kk, group_size, config)
                      for _ in range(2))
@@ -247,15 +248,16 @@ def test_mma_gemv_vs_float64(k, zero_point, group_size, dtype, tiles, m):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
                     reason="mma.sync needs sm_80+")
 def test_mma_gemv_ring_takes_x_rows_cp_async_cannot_copy_in_one_stage(k):
-    """x rows that are not 16-byte aligned (a column slice) cannot be copied by the cp.async ring: the plan drops
-    to one stage, and the result stays exact."""
-    n, kk = 512, 1024
-    qw = k.quantize(_weight(n, kk, torch.float16), group_size=128)
-    x = torch.randn(4, kk + 3, device="cuda", dtype=torch.float16)[:, 3:]
-    config = {**k.tuning.heuristic(4, n, kk, 132), "mma": {"num_warps": 4, "tiles": 2, "stages": 3}}
-    assert k.tuning.resolve(config, x, None, 128, has_zeros=True)["stages"] == 1
-    assert k.tuning.resolve(config, x.contiguous(), None, 128, has_zeros=True)["stages"] == 3
-    _check_launch(k, x, qw, None, config)
+    """x rows the cp.async ring cannot copy in 16-byte pieces (a column slice; K = 1000, which ends inside a
+    128-column tile and is no multiple of 16) take one stage, and the results stay exact."""
+    for kk, cut in ((1024, 3), (1000, 0)):
+        qw = k.quantize(_weight(512, kk, torch.float16), group_size=-1 if kk % 128 else 128)
+        x = torch.randn(4, kk + cut, device="cuda", dtype=torch.float16)[:, cut:]
+        config = {**k.tuning.heuristic(4, 512, kk, 132), "mma": {"num_warps": 4, "tiles": 2, "stages": 3}}
+        assert k.tuning.resolve(config, x, None, qw.group_size, has_zeros=True)["stages"] == 1
+        _check_launch(k, x, qw, None, config)
+    assert k.tuning.resolve(config, torch.randn(4, 1024, device="cuda", dtype=torch.float16), None, 128,
+                            has_zeros=True)["stages"] == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),

@@ -17,8 +17,8 @@ see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the op
 table or heuristic sets it; ``mma``, in any config: where `mma_supported`, run the experimental Gluon
 tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`` (8 or 16), ``num_warps``,
 ``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration), ``x_smem`` (x through shared memory),
-``stages`` (a cp.async ring of that many slots for the words, x, scales and zero points; x rows 16-byte aligned,
-else one stage) and ``split_k``) or
+``stages`` (a cp.async ring of that many slots for the words, x, scales and zero points, where
+`cp_async_rows`, else one stage) and ``split_k``) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
@@ -114,8 +114,23 @@ def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = N
     programs = -(-m // block_m) * (rows // block_n)
     split = 1 if programs >= sm_count else min(-(-2 * sm_count // programs), max(1, tiles // 4))
     # x and the weight words by TMA from M = 17 up: 7-16 % faster at M = 64-256, a loss at M = 16 (E2, E2b)
-    return {"kernel": "dot", "block_m": block_m, "block_n": block_n, "split_k": split, "swap_ab": True,
-            "full_tile": True, "packed": True, "num_warps": 4, "num_stages": 3, "x_desc": m > 16, "w_desc": m > 16}
+    config = {"kernel": "dot", "block_m": block_m, "block_n": block_n, "split_k": split, "swap_ab": True,
+              "full_tile": True, "packed": True, "num_warps": 4, "num_stages": 3, "x_desc": m > 16, "w_desc": m > 16}
+    if m <= 16:
+        config["mma"] = mma_heuristic(rows, tiles, sm_count)
+    return config
+
+
+def mma_heuristic(rows: int, tiles: int, sm_count: int) -> dict:
+    """The mma GEMV's launch for 2-16 tokens where no table entry exists (formats it does not take run the config
+    it sits in). On the H200 (2026-12-02, docs/design/w4a16.md E15, 8 Llama-3 shapes) 4 K-tiles per iteration in a
+    2-stage ring on 4 warps was the best or within 5 % of it on 6 of 8 shapes at 4-8 tokens; split-K until there
+    are two programs per SM, keeping 8 K-tiles or more per split."""
+    programs = rows // 64
+    split = next((s for s in (1, 2, 4) if programs * s >= 2 * sm_count), 4)
+    while split > 1 and tiles // split < 8:
+        split //= 2
+    return {"num_warps": 4, "tiles": 4, "stages": 2, "split_k": split}
 
 
 def select(m: int, n: int, k: int, device: torch.device, nf4_group: int | None = None) -> dict:
@@ -205,6 +220,13 @@ def _gluon_int4(x, codebook, group_size, swiglu: bool, module: str) -> bool:
     return x.dtype in (torch.float16, torch.bfloat16) and codebook is None and groups_ok and not swiglu
 
 
+def cp_async_rows(x: torch.Tensor) -> bool:
+    """Whether the mma kernel's cp.async ring can copy x in 16-byte pieces: unit column stride, and a row stride
+    and width of multiples of 16 elements (Triton proves alignment only from multiples of 16) on a 16-byte aligned
+    base; otherwise its lowering needs 2-byte copies, which cp.async does not have."""
+    return (x.stride(-1) == 1 and x.stride(0) % 16 == 0 and x.shape[-1] % 16 == 0 and x.data_ptr() % 16 == 0)
+
+
 def tma_rows(x: torch.Tensor) -> bool:
     """Whether TMA descriptors can read x's rows: unit column stride, rows and base 16-byte aligned."""
     return x.stride(-1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
@@ -227,7 +249,7 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bo
     SwiGLU layout) for the epilogue silu(gate) * up."""
     if config.get("mma") and mma_supported(x, codebook, group_size, swiglu, has_mins):
         plan = {**config["mma"], "kernel": "mma"}
-        if plan.get("stages", 1) > 1 and not tma_rows(x):
+        if plan.get("stages", 1) > 1 and not cp_async_rows(x):
             # the cp.async ring copies x's rows in 16-byte pieces; other rows take the one-stage loop
             plan.update(stages=1, x_smem=True)
         return plan
