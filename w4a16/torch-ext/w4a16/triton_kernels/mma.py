@@ -1,5 +1,5 @@
 """A tensor-core GEMV for decode (1-16 tokens) in Gluon: `mma.sync` (sm_80+) on operands built in registers
-(experimental: no table or heuristic selects it yet, docs/design/w4a16.md E14).
+(the 2-16-token path of the H200 table and of `tuning.mma_heuristic`; docs/design/w4a16.md E14, E15).
 
 The packed-fp16 GEMV spends ~4 instructions per weight (dequantization, then one HFMA2 per weight pair and per
 token), about the H200's whole issue budget at copy bandwidth; the MMA makes the per-token work free. Each warp
@@ -13,9 +13,9 @@ packed-fp16 GEMV's exponent trick). The MMA sums them in fp32; each scale group'
 Formats: int4 with integer zero points or symmetric, scale groups of 32, 64, multiples of 128 or per channel,
 fp16 or bf16 activations (`tuning.mma_supported`). No float minima, no NF4.
 
-Measured on the H200 (E14, runs 34-38): 1.42x cuBLAS fp16 at one token against the packed-fp16 GEMV's 2.54x; a
-probe without x's fragment loads (two 4-byte loads per fragment and thread) ran 9-14 % faster than the GEMV, so
-`X_SMEM` (x through shared memory and `ldmatrix`) is the change under test."""
+Measured on the H200 (runs 34-42): x's fragments straight from global memory 1.42x cuBLAS fp16 at one token;
+through shared memory and `ldmatrix` (`X_SMEM`) 2.04x; with every load in a cp.async ring (`STAGES`) 2.4x at 1-8
+tokens (the dot path it replaced at 4 tokens: 1.82x), 2.0x at 16."""
 
 from __future__ import annotations
 
