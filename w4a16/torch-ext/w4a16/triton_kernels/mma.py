@@ -78,9 +78,12 @@ def _zero_consts(z_ptr, g, s_stride, rows, live, HAS_ZERO: gl.constexpr, dtype: 
 
 
 @gluon.jit
-def _ring_zeros(z_ring, row, layout: gl.constexpr, dtype: gl.constexpr):
-    """`_zero_pair` of a group's zero points from its row of the shared-memory ring."""
-    return _zero_pair(z_ring.index(row).load(layout).to(gl.float32) * 0.0625, dtype)
+def _zeros_at(z_ptr, z_ring, g, s_stride, rows, live, layout: gl.constexpr, dtype: gl.constexpr,
+              FROM_RING: gl.constexpr):
+    """`_zero_pair` of group `g`'s zero points: row g of the shared-memory ring, or group g in global memory."""
+    if FROM_RING:
+        return _zero_pair(z_ring.index(g).load(layout).to(gl.float32) * 0.0625, dtype)
+    return _zero_consts(z_ptr, g, s_stride, rows, live, True, dtype)
 
 
 @gluon.jit
@@ -137,35 +140,20 @@ def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, til
     dtype: gl.constexpr = xs[0].dtype
     z_layout: gl.constexpr = rows.type.layout
     s_layout: gl.constexpr = s_rows.type.layout
+    # the tile's first scale group: in the ring's rows of this iteration, or in the weight's
+    g0 = g_row + i * 128 // GROUP if SCALE_RING else tile * 128 // GROUP
     c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
     if HAS_ZERO and not PER_CHANNEL:
-        if SCALE_RING:
-            if GROUP == 128:
-                zlo, zhi = _ring_zeros(z_ring, g_row + i, z_layout, dtype)
-                c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
-            elif GROUP == 64:
-                zlo, zhi = _ring_zeros(z_ring, g_row + 2 * i, z_layout, dtype)
-                zlo1, zhi1 = _ring_zeros(z_ring, g_row + 2 * i + 1, z_layout, dtype)
-                c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo1, zhi1, zlo1, zhi1
-            else:
-                zlo, zhi = _ring_zeros(z_ring, g_row + 4 * i, z_layout, dtype)
-                zlo1, zhi1 = _ring_zeros(z_ring, g_row + 4 * i + 1, z_layout, dtype)
-                zlo2, zhi2 = _ring_zeros(z_ring, g_row + 4 * i + 2, z_layout, dtype)
-                zlo3, zhi3 = _ring_zeros(z_ring, g_row + 4 * i + 3, z_layout, dtype)
-                c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo1, zhi1, zlo2, zhi2, zlo3, zhi3
-        elif GROUP >= 128:
-            zlo, zhi = _zero_consts(z_ptr, tile * 128 // GROUP, s_stride, rows, live, True, dtype)
-            c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
-        elif GROUP == 64:
-            zlo, zhi = _zero_consts(z_ptr, tile * 2, s_stride, rows, live, True, dtype)
-            zlo1, zhi1 = _zero_consts(z_ptr, tile * 2 + 1, s_stride, rows, live, True, dtype)
-            c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo1, zhi1, zlo1, zhi1
-        else:
-            zlo, zhi = _zero_consts(z_ptr, tile * 4, s_stride, rows, live, True, dtype)
-            zlo1, zhi1 = _zero_consts(z_ptr, tile * 4 + 1, s_stride, rows, live, True, dtype)
-            zlo2, zhi2 = _zero_consts(z_ptr, tile * 4 + 2, s_stride, rows, live, True, dtype)
-            zlo3, zhi3 = _zero_consts(z_ptr, tile * 4 + 3, s_stride, rows, live, True, dtype)
-            c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo1, zhi1, zlo2, zhi2, zlo3, zhi3
+        zlo, zhi = _zeros_at(z_ptr, z_ring, g0, s_stride, rows, live, z_layout, dtype, SCALE_RING)
+        c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
+        if GROUP == 64:
+            zlo1, zhi1 = _zeros_at(z_ptr, z_ring, g0 + 1, s_stride, rows, live, z_layout, dtype, SCALE_RING)
+            c4, c5, c6, c7 = zlo1, zhi1, zlo1, zhi1
+        elif GROUP == 32:
+            zlo1, zhi1 = _zeros_at(z_ptr, z_ring, g0 + 1, s_stride, rows, live, z_layout, dtype, SCALE_RING)
+            zlo2, zhi2 = _zeros_at(z_ptr, z_ring, g0 + 2, s_stride, rows, live, z_layout, dtype, SCALE_RING)
+            zlo3, zhi3 = _zeros_at(z_ptr, z_ring, g0 + 3, s_stride, rows, live, z_layout, dtype, SCALE_RING)
+            c2, c3, c4, c5, c6, c7 = zlo1, zhi1, zlo2, zhi2, zlo3, zhi3
     a = _dequant_tile(words, c0, c1, c2, c3, c4, c5, c6, c7)
     part = gl.zeros_like(acc)
     for j in gl.static_range(8):
@@ -174,10 +162,10 @@ def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, til
         else:
             part = mma_v2(a[j], xs[j], part)
             if (16 * (j + 1)) % GROUP == 0 or (j == 7 and GROUP > 128):  # a group's (or tile's) sum, scaled
+                g = g0 + 16 * j // GROUP
                 if SCALE_RING:
-                    scale = s_ring.index(g_row + (i * 128 + 16 * j) // GROUP).load(s_layout).to(gl.float32)
+                    scale = s_ring.index(g).load(s_layout).to(gl.float32)
                 else:
-                    g = (tile * 128 + 16 * j) // GROUP
                     scale = gl.load(s_ptr + g * s_stride + s_rows, mask=live, other=0.0).to(gl.float32)
                 acc += part * scale[:, None]
                 part = gl.zeros_like(acc)
@@ -272,10 +260,12 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, nu
         rows_1d: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         s_ring = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES * GROUPS, BLOCK_N], rows_1d)
         z_ring = gl.allocate_shared_memory(z_ptr.dtype.element_ty, [STAGES * GROUPS, BLOCK_N], rows_1d)
+        s_src = s_ptr + sr_n
+        z_src = z_ptr + sr_n
         iters = (tiles + TILES - 1) // TILES
         for st in gl.static_range(STAGES - 1):
             _ring_issue(w_ring.index(st), x_ring.index(st), s_ring, z_ring, st * GROUPS, wr_ptrs, wr_cols,
-                        xr_ptrs, xr_ok, xr_k, s_ptr + sr_n, z_ptr + sr_n, st, tile0, tiles, K, s_stride,
+                        xr_ptrs, xr_ok, xr_k, s_src, z_src, st, tile0, tiles, K, s_stride,
                         TILES, GROUP, HAS_ZERO, SCALE_RING)
             async_copy.commit_group()
         for it in range(0, iters):
@@ -286,7 +276,7 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, nu
             nxt = it + STAGES - 1
             ns = nxt % STAGES
             _ring_issue(w_ring.index(ns), x_ring.index(ns), s_ring, z_ring, ns * GROUPS, wr_ptrs, wr_cols,
-                        xr_ptrs, xr_ok, xr_k, s_ptr + sr_n, z_ptr + sr_n, nxt, tile0, tiles, K, s_stride,
+                        xr_ptrs, xr_ok, xr_k, s_src, z_src, nxt, tile0, tiles, K, s_stride,
                         TILES, GROUP, HAS_ZERO, SCALE_RING)
             async_copy.commit_group()
             slot = it % STAGES
