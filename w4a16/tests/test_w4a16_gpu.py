@@ -212,12 +212,13 @@ def test_wgmma_vs_float64(k, zero_point, group_size, dtype, tiles, m):
     assert torch.equal(first, second)
 
 
-MMA_FORMATS = [(True, 128), (False, 128), (True, -1), (False, 32), (True, 32), (True, 64), (True, 256)]
+MMA_FORMATS = [("int4", True, 128), ("int4", False, 128), ("int4", True, -1), ("int4", False, 32), ("int4", True, 32),
+               ("int4", True, 64), ("int4", True, 256), ("nf4", False, 64), ("nf4", False, 32), ("nf4", False, -1)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
                     reason="mma.sync needs sm_80+")
-@pytest.mark.parametrize("zero_point,group_size", MMA_FORMATS)
+@pytest.mark.parametrize("fmt,zero_point,group_size", MMA_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tiles", [{"num_warps": 4}, {"num_warps": 4, "reps": 2, "tiles": 3, "split_k": 3},
                                    {"block_m": 16, "num_warps": 2, "tiles": 4, "split_k": 2},
@@ -228,20 +229,20 @@ MMA_FORMATS = [(True, 128), (False, 128), (True, -1), (False, 32), (True, 32), (
                          ids=["8x64", "8x128-3tiles-split3", "16x32-4tiles-split2", "8x64-4tiles-split3-xsmem",
                               "16x64-2tiles-xsmem", "8x64-2tiles-3stages-split3", "16x64-4tiles-2stages"])
 @pytest.mark.parametrize("m", [1, 13])
-def test_mma_gemv_vs_float64(k, zero_point, group_size, dtype, tiles, m):
+def test_mma_gemv_vs_float64(k, fmt, zero_point, group_size, dtype, tiles, m):
     """The Gluon tensor-core GEMV on poisoned outputs against float64: one token (a tile of one live row), 13
     (two 8-token tiles, or one of 16, partial), split-K partials; N = 3000 leaves a partial row tile, K = 5000
     (per channel) a partial K-tile; a second launch must give the same bits."""
     n, kk = 3000, 5120 if group_size != -1 or "stages" in tiles else 5000
-    qw = k.quantize(_weight(n, kk, dtype, seed=10), group_size=group_size, zero_point=zero_point)
+    qw = k.quantize(_weight(n, kk, dtype, seed=10), group_size=group_size, zero_point=zero_point, fmt=fmt)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     config = {**k.tuning.heuristic(m, n, kk, 132), "mma": tiles}
-    plan = k.tuning.resolve(config, x, None, group_size, has_zeros=zero_point is True)
+    plan = k.tuning.resolve(config, x, qw.codebook, group_size, has_zeros=zero_point is True)
     assert plan["kernel"] == "mma" and plan.get("stages", 1) == tiles.get("stages", 1)
     _check_launch(k, x, qw, bias, config)
-    first, second = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, bias, n, kk, group_size, config)
-                     for _ in range(2))
+    first, second = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk, group_size,
+                                             config) for _ in range(2))
     assert torch.equal(first, second)
 
 
@@ -263,14 +264,13 @@ def test_mma_gemv_ring_takes_x_rows_cp_async_cannot_copy_in_one_stage(k):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
                     reason="mma.sync needs sm_80+")
 def test_mma_gemv_leaves_formats_it_does_not_take_to_the_config_beneath(k):
-    """Float minima and NF4 are not the mma kernel's: the config it sits in runs them (and stays exact)."""
+    """Float minima are not the mma kernel's: the config it sits in runs them (and stays exact)."""
     x = torch.randn(1, 1024, device="cuda", dtype=torch.float16)
     config = {**k.tuning.heuristic(1, 512, 1024, 132), "mma": {"num_warps": 4}}
-    for fmt, zero_point in (("int4", "float"), ("nf4", False)):
-        qw = k.quantize(_weight(512, 1024, torch.float16), group_size=64, zero_point=zero_point, fmt=fmt)
-        plan = k.tuning.resolve(config, x, qw.codebook, 64, has_mins=qw.mins is not None)
-        assert plan["kernel"] != "mma"
-        _check_launch(k, x, qw, None, config)
+    qw = k.quantize(_weight(512, 1024, torch.float16), group_size=64, zero_point="float")
+    plan = k.tuning.resolve(config, x, qw.codebook, 64, has_mins=qw.mins is not None)
+    assert plan["kernel"] != "mma"
+    _check_launch(k, x, qw, None, config)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),

@@ -199,25 +199,25 @@ def wgmma_supported(x, codebook, group_size, swiglu: bool = False) -> bool:
     (wgmma is sm_90a only), fp16 / bf16 activations whose rows TMA can read (16-byte aligned), int4 with scale
     groups of 32, 64, multiples of 128 or per channel, no SwiGLU epilogue. Elsewhere its config runs as the dot
     config it sits in."""
-    return (_gluon_int4(x, codebook, group_size, swiglu, "wgmma")
+    return (codebook is None and _gluon_applies(x, group_size, swiglu, "wgmma")
             and torch.cuda.get_device_capability(x.device) == (9, 0) and tma_rows(x))
 
 
 def mma_supported(x, codebook, group_size, swiglu: bool = False, has_mins: bool = False) -> bool:
     """Whether the Gluon tensor-core GEMV (`triton_kernels.mma`) applies: an NVIDIA GPU of sm_80 or later
-    (`mma.sync`), fp16 / bf16 activations, int4 with integer or symmetric zero points and scale groups of 32, 64,
-    multiples of 128 or per channel, no SwiGLU epilogue. Elsewhere its config runs as the config it sits in."""
-    return (_gluon_int4(x, codebook, group_size, swiglu, "mma") and not has_mins
+    (`mma.sync`), fp16 / bf16 activations, int4 with integer or symmetric zero points or NF4, scale groups of 32,
+    64, multiples of 128 or per channel, no SwiGLU epilogue. Elsewhere its config runs as the config it sits in."""
+    return (_gluon_applies(x, group_size, swiglu, "mma") and not has_mins
             and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
-def _gluon_int4(x, codebook, group_size, swiglu: bool, module: str) -> bool:
+def _gluon_applies(x, group_size, swiglu: bool, module: str) -> bool:
     """What both Gluon kernels need: an NVIDIA GPU with the Triton build's Gluon ops of `module`, fp16 / bf16
-    activations, int4 with scale groups of 32, 64, multiples of 128 or per channel, no SwiGLU epilogue."""
+    activations, scale groups of 32, 64, multiples of 128 or per channel, no SwiGLU epilogue."""
     if interpreting() or x.device.type != "cuda" or torch.version.hip is not None or not _gluon_available(module):
         return False
     groups_ok = group_size == -1 or group_size % 128 == 0 or group_size in (32, 64)
-    return x.dtype in (torch.float16, torch.bfloat16) and codebook is None and groups_ok and not swiglu
+    return x.dtype in (torch.float16, torch.bfloat16) and groups_ok and not swiglu
 
 
 def cp_async_rows(x: torch.Tensor) -> bool:

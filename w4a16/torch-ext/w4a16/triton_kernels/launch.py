@@ -201,10 +201,10 @@ def _launch_mma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
     per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
     splits, target = _split_targets(x, out, n, num_tiles, per_split)
     _mma_gemv_kernel[(triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)](
-        x, qweight, scales, _or(zeros, scales), _or(bias, scales), target, m, n, k, num_tiles, per_split,
-        x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), target.stride(0),
+        x, qweight, scales, _or(zeros, scales), _or(codebook, scales), _or(bias, scales), target, m, n, k, num_tiles,
+        per_split, x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), target.stride(0),
         GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
-        HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, REPS=reps, TILES=tiles,
+        NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, REPS=reps, TILES=tiles,
         MASK_K=k % 128 != 0, X_SMEM=bool(plan.get("x_smem", False)), STAGES=stages, num_warps=warps,
     )
     if splits > 1:

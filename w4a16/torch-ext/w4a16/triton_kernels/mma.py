@@ -11,7 +11,8 @@ registers: 2 PRMT + 2 SHF + 8 LOP3 + 8 HFMA2 for 16 weights, (code - zero) / 16 
 packed-fp16 GEMV's exponent trick). The MMA sums them in fp32; each scale group's sum is scaled once per row.
 
 Formats: int4 with integer zero points or symmetric, scale groups of 32, 64, multiples of 128 or per channel,
-fp16 or bf16 activations (`tuning.mma_supported`). No float minima, no NF4.
+NF4 (codebook looked up by byte permutes, `_nf4_planes_text`), fp16 or bf16 activations
+(`tuning.mma_supported`). No float minima.
 
 Measured on the H200 (runs 34-42): x's fragments straight from global memory 1.42x cuBLAS fp16 at one token;
 through shared memory and `ldmatrix` (`X_SMEM`) 2.04x; with every load in a cp.async ring (`STAGES`) 2.4x at 1-8
@@ -22,6 +23,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from .nf4 import nf4_select_asm
 
 
 @gluon.constexpr_function
@@ -55,6 +58,79 @@ def _pair_planes_asm(is_fp16):
 @gluon.constexpr_function
 def _pair_planes_constraints():
     return ",".join(["=r"] * 8 + ["r"] * 2 + ["r"] * 8)
+
+
+def _nf4_planes_text() -> str:
+    """PTX: two neighbouring NF4 words a = $8, b = $9 -> outputs $0-$7, the pairs (codebook[nibble j of a],
+    codebook[nibble j of b]) / 16 for j = 0-7, looked up by byte permutes in the 8 tables (`nf4`) at $10, $12, ...,
+    $24 (int32 inputs of a pack-2 asm take an operand per element: each table comes twice). Bytes p of a and b
+    side by side (PRMT 0x5140 for bytes 0-1, 0x7362 for 2-3) make the selectors of pairs 2p and 2p + 1 in one
+    16-bit half; the 3-bit selectors and the bit-3 byte masks of both halves come from one AND and one shift-AND:
+    3 instructions per weight (int4's `_pair_planes_asm`: 1.25)."""
+    tables = [f"${10 + 2 * i}" for i in range(8)]
+    # both gathers first: an output may share a register with a word that is dead after the block
+    lines = [".reg .b32 t0, t1, s, x, m, kff, la, lb, ha, hb, lo, hi;", "mov.b32 kff, 0xff;",
+             "prmt.b32 t0, $8, $9, 0x5140;", "prmt.b32 t1, $8, $9, 0x7362;"]
+    for half in range(2):
+        # t_h: nibbles a_4h, a_4h+1, b_4h, b_4h+1 (low half), a_4h+2, a_4h+3, b_4h+2, b_4h+3 (high half)
+        lines += [f"and.b32 s, t{half}, 0x77777777;", f"shr.u32 x, t{half}, 1;", "and.b32 x, x, 0x44444444;"]
+        for quarter in range(2):
+            j = 4 * half + 2 * quarter
+            if quarter:
+                lines += ["shr.u32 s, s, 16;", "shr.u32 x, x, 16;"]
+            # a selector nibble of 4 picks kff's 0xff, of 0 the zero byte: the mask of nibbles with bit 3 set
+            lines.append("prmt.b32 m, 0, kff, x;")
+            lines.append(nf4_select_asm("s", "m", tables).rstrip("\n"))
+            lines += [f"prmt.b32 ${j}, lo, hi, 0x6240;", f"prmt.b32 ${j + 1}, lo, hi, 0x7351;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_NF4_PLANES_ASM = gl.constexpr(_nf4_planes_text())
+
+
+@gluon.constexpr_function
+def _nf4_planes_asm():
+    return _NF4_PLANES_ASM.value
+
+
+@gluon.constexpr_function
+def _nf4_planes_constraints():
+    return ",".join(["=r"] * 8 + ["r"] * 18)
+
+
+@gluon.jit
+def _nf4_table(cb_ptr, q: gl.constexpr, HIGH: gl.constexpr, dtype: gl.constexpr):
+    """One lookup table register (`nf4`): byte HIGH of codebook entries 4q .. 4q + 3, each / 16 in `dtype`."""
+    t = 0
+    for e in gl.static_range(4):
+        bits = (gl.load(cb_ptr + 4 * q + e).to(gl.float32) * 0.0625).to(dtype).to(gl.int16, bitcast=True)
+        bits = bits.to(gl.int32) & 0xFFFF
+        if HIGH:
+            bits = bits >> 8
+        t = t | ((bits & 0xFF) << (8 * e))
+    return t
+
+
+@gluon.jit
+def _nf4_tables(cb_ptr, like, dtype: gl.constexpr):
+    """The 8 lookup tables of the codebook / 16 in `dtype` (exact: a power of two), as tensors shaped like the
+    word tile `like`: low bytes of entries 0-3, 4-7, 8-11, 12-15, then high bytes."""
+    z = gl.zeros_like(like)
+    return (z + _nf4_table(cb_ptr, 0, False, dtype), z + _nf4_table(cb_ptr, 1, False, dtype),
+            z + _nf4_table(cb_ptr, 2, False, dtype), z + _nf4_table(cb_ptr, 3, False, dtype),
+            z + _nf4_table(cb_ptr, 0, True, dtype), z + _nf4_table(cb_ptr, 1, True, dtype),
+            z + _nf4_table(cb_ptr, 2, True, dtype), z + _nf4_table(cb_ptr, 3, True, dtype))
+
+
+@gluon.jit
+def _nf4_tile(words, tables, x_like):
+    """The K-tile's 8 A operands from NF4 words, in x's dtype (`x_like`): codebook values / 16
+    (`_nf4_planes_text`)."""
+    t0, t1, t2, t3, t4, t5, t6, t7 = tables
+    dtype = x_like.dtype
+    return gl.inline_asm_elementwise(_nf4_planes_asm(), _nf4_planes_constraints(),
+                                     [words, t0, t1, t2, t3, t4, t5, t6, t7],
+                                     (dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -129,21 +205,21 @@ def _x_shared(x_tile, layout: gl.constexpr):
 
 
 @gluon.jit
-def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, tile, i: gl.constexpr, live, rows, s_rows,
-              s_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
-              SCALE_RING: gl.constexpr):
+def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, nf4_tables, tile, i: gl.constexpr, live,
+              rows, s_rows, s_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
+              SCALE_RING: gl.constexpr, NF4: gl.constexpr):
     """One K-tile (tile `i` of its iteration) into `acc`: the 8 A operands from its words, and per chunk j one MMA
     with x's fragment j (`xs`, zero where not live); each scale group's sum scaled once. `zlo` / `zhi`: the zero
     constants when they are the same for every tile (per channel, symmetric). With SCALE_RING the iteration's
     scales and zero points come from the shared-memory rings (`s_ring` / `z_ring`: a row of BLOCK_N per group,
-    the iteration's first at `g_row`), else from global memory."""
+    the iteration's first at `g_row`), else from global memory. NF4: the operands are looked up in `nf4_tables`."""
     dtype: gl.constexpr = xs[0].dtype
     z_layout: gl.constexpr = rows.type.layout
     s_layout: gl.constexpr = s_rows.type.layout
     # the tile's first scale group: in the ring's rows of this iteration, or in the weight's
     g0 = g_row + i * 128 // GROUP if SCALE_RING else tile * 128 // GROUP
     c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
-    if HAS_ZERO and not PER_CHANNEL:
+    if HAS_ZERO and not PER_CHANNEL and not NF4:
         zlo, zhi = _zeros_at(z_ptr, z_ring, g0, s_stride, rows, live, z_layout, dtype, SCALE_RING)
         c0, c1, c2, c3, c4, c5, c6, c7 = zlo, zhi, zlo, zhi, zlo, zhi, zlo, zhi
         if GROUP == 64:
@@ -154,7 +230,10 @@ def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, til
             zlo2, zhi2 = _zeros_at(z_ptr, z_ring, g0 + 2, s_stride, rows, live, z_layout, dtype, SCALE_RING)
             zlo3, zhi3 = _zeros_at(z_ptr, z_ring, g0 + 3, s_stride, rows, live, z_layout, dtype, SCALE_RING)
             c2, c3, c4, c5, c6, c7 = zlo1, zhi1, zlo2, zhi2, zlo3, zhi3
-    a = _dequant_tile(words, c0, c1, c2, c3, c4, c5, c6, c7)
+    if NF4:
+        a = _nf4_tile(words, nf4_tables, xs[0])
+    else:
+        a = _dequant_tile(words, c0, c1, c2, c3, c4, c5, c6, c7)
     part = gl.zeros_like(acc)
     for j in gl.static_range(8):
         if PER_CHANNEL:
@@ -197,9 +276,10 @@ def _ring_issue(w_slot, x_slot, s_ring, z_ring, g_row, w_src, w_cols, x_src, x_o
 
 
 @gluon.jit
-def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, num_tiles, per_split,
+def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, N, K, num_tiles, per_split,
                      stride_xm, stride_qn, s_stride, stride_om, stride_split,
-                     GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
+                     GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, NF4: gl.constexpr,
+                     HAS_BIAS: gl.constexpr,
                      PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, REPS: gl.constexpr, TILES: gl.constexpr,
                      MASK_K: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr):
     """Program (token tile of BLOCK_M = 8 or 16, row tile of 16 x warps x REPS, K split): K-tiles
@@ -210,7 +290,8 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, nu
     `ldmatrix`, instead of two 4-byte global loads per fragment and thread (their count was the kernel's cost,
     docs/design/w4a16.md E14). STAGES > 1 (x rows 16-byte aligned): a ring of STAGES slots filled by `cp.async`
     STAGES - 1 iterations ahead, holding the words, x and (groups of up to 128) the scales and zero points, so no
-    load of an iteration waits in it (E15); the words then reach the A layout from shared memory."""
+    load of an iteration waits in it (E15); the words then reach the A layout from shared memory. NF4: codes
+    looked up in the codebook at `cb_ptr` (no zero points)."""
     WARPS: gl.constexpr = gl.num_warps()
     BLOCK_N: gl.constexpr = 16 * WARPS * REPS
     RING: gl.constexpr = STAGES > 1
@@ -236,6 +317,9 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, nu
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     zlo, zhi = _zero_consts(z_ptr, 0, s_stride, rows, True, HAS_ZERO and PER_CHANNEL, x_ptr.dtype.element_ty)
+    nf4_tables = None
+    if NF4:
+        nf4_tables = _nf4_tables(cb_ptr, gl.zeros([BLOCK_N, 16], gl.int32, layout=a_layout), x_ptr.dtype.element_ty)
     if X_SMEM or RING:
         # rows of 8 x values per thread (16-byte loads and stores), rows contiguous along K in shared memory
         xr_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
@@ -287,8 +371,8 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, nu
                 live = it * TILES + i < tiles
                 xs = _x_shared(x_slot.slice(128 * i, 128, dim=1), b_layout)
                 words = w_slot.slice(16 * i, 16, dim=1).load(a_layout)
-                acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, slot * GROUPS, zlo, zhi, tile, i,
-                                live, rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, SCALE_RING)
+                acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, slot * GROUPS, zlo, zhi, nf4_tables,
+                                tile, i, live, rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, SCALE_RING, NF4)
         async_copy.wait_group(0)
     else:
         if X_SMEM:
@@ -310,8 +394,8 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, nu
                 else:
                     xs = _x_global(x_ptrs, m_ok, live, x_k, tile * 128, K, MASK_K)
                 words = gl.load(w_ptrs + tile * 16, mask=live, other=0)
-                acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, None, None, 0, zlo, zhi, tile, i, live, rows, s_rows,
-                                s_stride, GROUP, PER_CHANNEL, HAS_ZERO, False)
+                acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, None, None, 0, zlo, zhi, nf4_tables, tile, i, live,
+                                rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, False, NF4)
     acc = acc * 16.0
     if PER_CHANNEL:
         acc = acc * gl.load(s_ptr + s_rows).to(gl.float32)[:, None]

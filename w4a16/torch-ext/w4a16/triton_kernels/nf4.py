@@ -42,11 +42,20 @@ def nf4_lookup_asm(selector: str, table: int) -> str:
     """PTX that looks up the 4 nibbles in the low 16 bits of register `selector` in the tables at operands
     $table .. $table + 7 (`_nf4_tables`' order): the low bytes of the 4 codebook values / 16 in `lo`, their
     high bytes in `hi`. Needs .b32 registers s, b, m, la, lb, ha, hb, lo, hi and k80 = 0x80808080."""
-    la, lb, ha, hb = (f"${table + 2 * i}, ${table + 2 * i + 1}" for i in range(4))
     return (f"and.b32 s, {selector}, 0x7777;\nshr.b32 b, {selector}, 3;\nand.b32 b, b, 0x1111;\n"
             "mul.lo.u32 b, b, 12;\nprmt.b32 m, 0, k80, b;\n"
-            f"prmt.b32 la, {la}, s;\nprmt.b32 lb, {lb}, s;\nprmt.b32 ha, {ha}, s;\nprmt.b32 hb, {hb}, s;\n"
-            "lop3.b32 lo, la, lb, m, 0xD8;\nlop3.b32 hi, ha, hb, m, 0xD8;\n")
+            + nf4_select_asm("s", "m", [f"${table + i}" for i in range(8)]))
+
+
+def nf4_select_asm(selector: str, mask: str, tables: list[str]) -> str:
+    """The lookup proper: the low 3 bits of the 4 nibbles in the low 16 bits of `selector` pick bytes from both
+    halves of the tables (operand names in `_nf4_tables`' order), and byte mask `mask` (0xFF where a nibble's
+    bit 3 is set) picks the half: low bytes of the values into `lo`, high bytes into `hi`. Needs .b32 registers
+    la, lb, ha, hb, lo, hi."""
+    la, lb, ha, hb = (f"{tables[2 * i]}, {tables[2 * i + 1]}" for i in range(4))
+    return (f"prmt.b32 la, {la}, {selector};\nprmt.b32 lb, {lb}, {selector};\n"
+            f"prmt.b32 ha, {ha}, {selector};\nprmt.b32 hb, {hb}, {selector};\n"
+            f"lop3.b32 lo, la, lb, {mask}, 0xD8;\nlop3.b32 hi, ha, hb, {mask}, 0xD8;\n")
 
 
 # The tensor-core kernel's NF4 operands: for each 32-bit word, 4 fp16 pairs (codebook[nibble J] in the low
