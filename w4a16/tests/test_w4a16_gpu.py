@@ -225,9 +225,11 @@ MMA_FORMATS = [("int4", True, 128), ("int4", False, 128), ("int4", True, -1), ("
                                    {"num_warps": 4, "tiles": 4, "split_k": 3, "x_smem": True},
                                    {"block_m": 16, "num_warps": 4, "tiles": 2, "x_smem": True},
                                    {"num_warps": 4, "tiles": 2, "stages": 3, "split_k": 3},
-                                   {"block_m": 16, "num_warps": 2, "reps": 2, "tiles": 4, "stages": 2}],
+                                   {"block_m": 16, "num_warps": 2, "reps": 2, "tiles": 4, "stages": 2},
+                                   {"block_m": 16, "num_warps": 4, "reps": 2, "tiles": 2, "stages": 3, "split_k": 2}],
                          ids=["8x64", "8x128-3tiles-split3", "16x32-4tiles-split2", "8x64-4tiles-split3-xsmem",
-                              "16x64-2tiles-xsmem", "8x64-2tiles-3stages-split3", "16x64-4tiles-2stages"])
+                              "16x64-2tiles-xsmem", "8x64-2tiles-3stages-split3", "16x64-4tiles-2stages",
+                              "16x128-2tiles-3stages-split2"])
 @pytest.mark.parametrize("m", [1, 13])
 def test_mma_gemv_vs_float64(k, fmt, zero_point, group_size, dtype, tiles, m):
     """The Gluon tensor-core GEMV on poisoned outputs against float64: one token (a tile of one live row), 13

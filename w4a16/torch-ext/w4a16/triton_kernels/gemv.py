@@ -296,16 +296,15 @@ def _x_group_sums(xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
 
 # NF4 in the packed-fp16 GEMV: a byte-permute (PRMT) looks up 4 bytes at once in an 8-byte table, so the 16
 # codebook values / 16, as fp16, live in 8 registers: their low bytes (entries 0-3, 4-7, 8-11, 12-15) and their
-# high bytes. Per 4 nibbles: 4 PRMT look up both bytes in both table halves, 1 PRMT turns bit 3 of each nibble
-# into a byte mask (selector 0xC replicates the sign of a 0x80 byte), 2 LOP3 pick the half, 2 PRMT interleave
+# high bytes. Per 4 nibbles: 4 PRMT look up both bytes in both table halves, a shift and a LOP3 turn bit 3 of each
+# nibble into a PRMT selector of the half, 2 PRMT pick the half, 2 PRMT interleave
 # low and high bytes into the fp16 pairs of nibbles (0, 1) and (2, 3). Nibbles 0-3 and 4-7 of a word are the
 # tile's columns 0-63 and 64-127, so each half is summed apart (scale groups of 64 work).
 _NF4_HALF_ASM = (nf4_lookup_asm("W", 3) + "prmt.b32 p, lo, hi, 0x5140;\nprmt.b32 q, lo, hi, 0x7362;\n"
                  "mul.rn.f16x2 t, p, XA;\nfma.rn.f16x2 t, q, XB, t;\nmov.b32 {l16, h16}, t;\n"
                  "add.rn.f16 l16, l16, h16;\ncvt.f32.f16 OUT, l16;\n")
 _NF4_ASM = tl.constexpr(
-    "{\n.reg .b32 s, b, m, la, lb, ha, hb, lo, hi, p, q, t, k80, w2;\n.reg .b16 l16, h16;\n"
-    "mov.b32 k80, 0x80808080;\n"
+    "{\n.reg .b32 s, x, la, lb, ha, hb, lo, hi, p, q, t, w2;\n.reg .b16 l16, h16;\n"
     + _NF4_HALF_ASM.replace("W", "$2").replace("XA", "$11").replace("XB", "$12").replace("OUT", "$0")
     + "shr.b32 w2, $2, 16;\n"
     + _NF4_HALF_ASM.replace("W", "w2").replace("XA", "$13").replace("XB", "$14").replace("OUT", "$1")

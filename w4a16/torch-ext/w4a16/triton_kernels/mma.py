@@ -65,22 +65,21 @@ def _nf4_planes_text() -> str:
     codebook[nibble j of b]) / 16 for j = 0-7, looked up by byte permutes in the 8 tables (`nf4`) at $10, $12, ...,
     $24 (int32 inputs of a pack-2 asm take an operand per element: each table comes twice). Bytes p of a and b
     side by side (PRMT 0x5140 for bytes 0-1, 0x7362 for 2-3) make the selectors of pairs 2p and 2p + 1 in one
-    16-bit half; the 3-bit selectors and the bit-3 byte masks of both halves come from one AND and one shift-AND:
-    3 instructions per weight (int4's `_pair_planes_asm`: 1.25)."""
+    16-bit half; the 3-bit selectors and the half selectors of 8 nibbles come from one AND and a shift and a LOP3:
+    44 instructions per 16 weights (int4's `_pair_planes_asm`: 20)."""
     tables = [f"${10 + 2 * i}" for i in range(8)]
     # both gathers first: an output may share a register with a word that is dead after the block
-    lines = [".reg .b32 t0, t1, s, x, m, kff, la, lb, ha, hb, lo, hi;", "mov.b32 kff, 0xff;",
+    lines = [".reg .b32 t0, t1, s, x, la, lb, ha, hb, lo, hi;",
              "prmt.b32 t0, $8, $9, 0x5140;", "prmt.b32 t1, $8, $9, 0x7362;"]
     for half in range(2):
         # t_h: nibbles a_4h, a_4h+1, b_4h, b_4h+1 (low half), a_4h+2, a_4h+3, b_4h+2, b_4h+3 (high half)
-        lines += [f"and.b32 s, t{half}, 0x77777777;", f"shr.u32 x, t{half}, 1;", "and.b32 x, x, 0x44444444;"]
+        lines += [f"and.b32 s, t{half}, 0x77777777;", f"shr.u32 x, t{half}, 1;",
+                  "lop3.b32 x, x, 0x44444444, 0x32103210, 0xea;"]
         for quarter in range(2):
             j = 4 * half + 2 * quarter
             if quarter:
                 lines += ["shr.u32 s, s, 16;", "shr.u32 x, x, 16;"]
-            # a selector nibble of 4 picks kff's 0xff, of 0 the zero byte: the mask of nibbles with bit 3 set
-            lines.append("prmt.b32 m, 0, kff, x;")
-            lines.append(nf4_select_asm("s", "m", tables).rstrip("\n"))
+            lines.append(nf4_select_asm("s", "x", tables).rstrip("\n"))
             lines += [f"prmt.b32 ${j}, lo, hi, 0x6240;", f"prmt.b32 ${j + 1}, lo, hi, 0x7351;"]
     return "{\n" + "\n".join(lines) + "\n}"
 

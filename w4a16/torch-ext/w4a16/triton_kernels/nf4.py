@@ -41,21 +41,21 @@ def _nf4_tables(cb_ptr, SIXTEENTH: tl.constexpr):
 def nf4_lookup_asm(selector: str, table: int) -> str:
     """PTX that looks up the 4 nibbles in the low 16 bits of register `selector` in the tables at operands
     $table .. $table + 7 (`_nf4_tables`' order): the low bytes of the 4 codebook values / 16 in `lo`, their
-    high bytes in `hi`. Needs .b32 registers s, b, m, la, lb, ha, hb, lo, hi and k80 = 0x80808080."""
-    return (f"and.b32 s, {selector}, 0x7777;\nshr.b32 b, {selector}, 3;\nand.b32 b, b, 0x1111;\n"
-            "mul.lo.u32 b, b, 12;\nprmt.b32 m, 0, k80, b;\n"
-            + nf4_select_asm("s", "m", [f"${table + i}" for i in range(8)]))
+    high bytes in `hi`. Needs .b32 registers s, x, la, lb, ha, hb, lo, hi."""
+    return (f"and.b32 s, {selector}, 0x7777;\nshr.b32 x, {selector}, 1;\nlop3.b32 x, x, 0x4444, 0x3210, 0xea;\n"
+            + nf4_select_asm("s", "x", [f"${table + i}" for i in range(8)]))
 
 
-def nf4_select_asm(selector: str, mask: str, tables: list[str]) -> str:
+def nf4_select_asm(selector: str, halves: str, tables: list[str]) -> str:
     """The lookup proper: the low 3 bits of the 4 nibbles in the low 16 bits of `selector` pick bytes from both
-    halves of the tables (operand names in `_nf4_tables`' order), and byte mask `mask` (0xFF where a nibble's
-    bit 3 is set) picks the half: low bytes of the values into `lo`, high bytes into `hi`. Needs .b32 registers
-    la, lb, ha, hb, lo, hi."""
+    halves of the tables (operand names in `_nf4_tables`' order), and PRMT selector `halves` (0x3210 plus 4 in
+    each nibble whose code has bit 3 set: bits 3 of the codes shifted down by one, masked, OR 0x3210) picks each
+    byte's half: low bytes of the values into `lo`, high bytes into `hi`. Needs .b32 registers la, lb, ha, hb,
+    lo, hi."""
     la, lb, ha, hb = (f"{tables[2 * i]}, {tables[2 * i + 1]}" for i in range(4))
     return (f"prmt.b32 la, {la}, {selector};\nprmt.b32 lb, {lb}, {selector};\n"
             f"prmt.b32 ha, {ha}, {selector};\nprmt.b32 hb, {hb}, {selector};\n"
-            f"lop3.b32 lo, la, lb, {mask}, 0xD8;\nlop3.b32 hi, ha, hb, {mask}, 0xD8;\n")
+            f"prmt.b32 lo, la, lb, {halves};\nprmt.b32 hi, ha, hb, {halves};\n")
 
 
 # The tensor-core kernel's NF4 operands: for each 32-bit word, 4 fp16 pairs (codebook[nibble J] in the low
@@ -64,7 +64,7 @@ def nf4_select_asm(selector: str, mask: str, tables: list[str]) -> str:
 # each, looked up (`nf4_lookup_asm`), and 2 PRMT interleave low and high bytes into the pairs (J, J + 4): 26
 # instructions per 8 weights. Operands: $0-$3 the pairs, $4 the word, $5-$12 the tables.
 _NF4_PAIRS_ASM = tl.constexpr(
-    "{\n.reg .b32 t, s, b, m, la, lb, ha, hb, lo, hi, k80;\nmov.b32 k80, 0x80808080;\n"
+    "{\n.reg .b32 t, s, x, la, lb, ha, hb, lo, hi;\n"
     + "prmt.b32 t, $4, 0, 0x4420;\n" + nf4_lookup_asm("t", 5)
     + "prmt.b32 $0, lo, hi, 0x6240;\nprmt.b32 $1, lo, hi, 0x7351;\n"
     + "prmt.b32 t, $4, 0, 0x4431;\n" + nf4_lookup_asm("t", 5)
