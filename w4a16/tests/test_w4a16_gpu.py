@@ -250,6 +250,23 @@ def test_mma_gemv_vs_float64(k, fmt, zero_point, group_size, dtype, tiles, m):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
                     reason="mma.sync needs sm_80+")
+@pytest.mark.parametrize("fmt,zero_point,group_size", [("int4", True, 128), ("int4", False, 32), ("nf4", False, 64)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [{"block_m": 32, "num_warps": 4, "tiles": 2, "stages": 3, "split_k": 2},
+                                   {"block_m": 64, "num_warps": 4, "tiles": 1, "stages": 4}], ids=["32x64", "64x64"])
+def test_mma_gemv_wide_token_tiles_vs_float64(k, fmt, zero_point, group_size, dtype, tiles):
+    """Token tiles of 32 and 64 on poisoned outputs against float64: 70 tokens make full tiles and a partial
+    last one."""
+    n, kk, m = 3000, 5120, 70
+    qw = k.quantize(_weight(n, kk, dtype, seed=11), group_size=group_size, zero_point=zero_point, fmt=fmt)
+    x = torch.randn(m, kk, device="cuda", dtype=dtype)
+    config = {**k.tuning.heuristic(m, n, kk, 132), "mma": tiles}
+    assert k.tuning.resolve(config, x, qw.codebook, group_size, has_zeros=zero_point is True)["kernel"] == "mma"
+    _check_launch(k, x, qw, torch.randn(n, device="cuda", dtype=dtype), config)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="mma.sync needs sm_80+")
 def test_mma_gemv_ring_takes_x_rows_cp_async_cannot_copy_in_one_stage(k):
     """x rows the cp.async ring cannot copy in 16-byte pieces (a column slice; K = 1000, which ends inside a
     128-column tile and is no multiple of 16) take one stage, and the results stay exact."""

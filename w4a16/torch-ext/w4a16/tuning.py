@@ -15,7 +15,7 @@ see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the op
 `wgmma_supported`, run the experimental Gluon kernel `triton_kernels.wgmma` instead, a dict of its ``block_m``,
 ``num_stages`` (TMA ring of words and x) and ``split_k``; no shipped
 table or heuristic sets it; ``mma``, in any config: where `mma_supported`, run the Gluon
-tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`` (8 or 16), ``num_warps``,
+tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`` (8, 16, 32 or 64), ``num_warps``,
 ``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration), ``x_smem`` (x through shared memory),
 ``stages`` (a cp.async ring of that many slots for the words, x, scales and zero points, where
 `cp_async_rows`, else one stage) and ``split_k``) or

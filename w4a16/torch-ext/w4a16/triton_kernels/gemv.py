@@ -173,8 +173,6 @@ _H2_ASM = tl.constexpr(
       "mov.b32 {lo, hi}, p;\nadd.rn.f16 lo, lo, hi;\ncvt.f32.f16 $0, lo;\n}")
 _ZLO_SYM = tl.constexpr(_i32(0xD408D408))  # fp16 pair -(64 + 8/16): the symmetric zero point 8
 _ZHI_SYM = tl.constexpr(_i32(0xC480C480))  # fp16 pair -(4 + 8/16)
-_ZLO_NONE = tl.constexpr(_i32(0xD400D400))  # fp16 pair -64: codes as they are (weights with float minima)
-_ZHI_NONE = tl.constexpr(_i32(0xC400C400))  # fp16 pair -4
 # `_H2_ASM` with the dot split by scale groups of 32 columns (planes 0-1, 2-3, 4-5, 6-7 of the tile): the products
 # of planes (0 | 4) and (1 | 5) summed in one packed pair give group 0 (low half) and group 2 (high half), those of
 # (2 | 6) and (3 | 7) groups 1 and 3; each half converted apart. Per word: 4 LOP3 + 1 SHF + 4 HFMA2 (dequant) +
@@ -386,7 +384,8 @@ def _gemv_h2_kernel(
     bf16 activations made fp16 by `_x_to_fp16_kernel`, with each tile's scale undone from ``xs``). NF4
     looks the codebook up with `_NF4_ASM` instead, with groups of 64 too (HALF_GROUPS). INT4_GROUPS (2 or 4):
     int4 scale groups of 64 or 32 columns, symmetric or with float minima (`_H2_GROUPS_ASM`); HAS_MIN (any
-    int4 group size) adds ``min * sum(x)`` per group, from x sums of the packed pairs (`_X_GROUP_SUMS_ASM`).
+    int4 group size) takes the codes centred like symmetric ones and adds ``(min + 8 scale) * sum(x)`` per group,
+    from x sums of the packed pairs (`_X_GROUP_SUMS_ASM`).
 
     Every (row, tile, word) element keeps its own fp32 accumulator (one FFMA with its group's scale per
     word); the reductions over words and tiles happen once, after the K loop.
@@ -407,8 +406,10 @@ def _gemv_h2_kernel(
     x_row = x_ptr + m * stride_xm
     first = pid_k * tiles_per_split
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
-    zlo = tl.full([BLOCK_N, TILES, _WORDS], _ZLO_NONE if HAS_MIN else _ZLO_SYM, tl.int32)
-    zhi = tl.full([BLOCK_N, TILES, _WORDS], _ZHI_NONE if HAS_MIN else _ZHI_SYM, tl.int32)
+    # with float minima too: code * scale + min = (code - 8) * scale + (min + 8 scale), so the fp16 partial sums
+    # stay centred (uncentred codes made them large, and the min term cancelled them: 4x the rounding error)
+    zlo = tl.full([BLOCK_N, TILES, _WORDS], _ZLO_SYM, tl.int32)
+    zhi = tl.full([BLOCK_N, TILES, _WORDS], _ZHI_SYM, tl.int32)
     if PER_CHANNEL:
         scale = tl.load(s_ptr + rows).to(tl.float32)
         if HAS_ZERO:
@@ -504,7 +505,7 @@ def _gemv_h2_kernel(
                     low = tl.load(m_ptr + param_offs + g * stride_sg, mask=live[None, :], other=0.0).to(tl.float32)
                     if X_SCALED:
                         low = low * x_scale
-                    part += (low * 0.0625)[:, :, None] * _pick4(g, x0, x1, x2, x3)
+                    part += ((low + 8.0 * s_g) * 0.0625)[:, :, None] * _pick4(g, x0, x1, x2, x3)
             s = tl.full([BLOCK_N, TILES], 1.0, tl.float32)
         if MASK_TILES:
             part = tl.where(live[None, :, None], part, 0.0)

@@ -182,8 +182,8 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
 
 
 def _launch_mma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
-    """`mma._mma_gemv_kernel` (sm_80+, `tuning.mma_supported`): one program per (token tile of ``block_m`` = 8 or
-    16, row tile of 16 x ``num_warps`` x ``reps``, K split)."""
+    """`mma._mma_gemv_kernel` (sm_80+, `tuning.mma_supported`): one program per (token tile of ``block_m`` = 8, 16,
+    32 or 64, row tile of 16 x ``num_warps`` x ``reps``, K split)."""
     # imported here: Triton builds without Gluon never reach this launcher (`mma_supported`)
     from .mma import _mma_gemv_kernel
 
@@ -192,9 +192,9 @@ def _launch_mma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
     block_n = 16 * warps * reps
     tiles, stages = plan.get("tiles", 1), plan.get("stages", 1)
     smem_x = plan.get("x_smem") or stages > 1
-    if (block_m not in (8, 16) or qweight.shape[0] % block_n or (smem_x and tiles & (tiles - 1))
+    if (block_m not in (8, 16, 32, 64) or qweight.shape[0] % block_n or (smem_x and tiles & (tiles - 1))
             or not isinstance(stages, int) or stages < 1):
-        raise ValueError(f"config: mma block_m must be 8 or 16, 16 x num_warps x reps must divide the padded rows "
+        raise ValueError(f"config: mma block_m must be 8, 16, 32 or 64, 16 x num_warps x reps must divide the padded rows "
                          f"({qweight.shape[0]}), x_smem and stages > 1 need a power-of-two tiles and stages is a "
                          f"positive integer; got {plan}")
     num_tiles = qweight.shape[1] // WORDS_PER_TILE

@@ -281,7 +281,7 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                      HAS_BIAS: gl.constexpr,
                      PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, REPS: gl.constexpr, TILES: gl.constexpr,
                      MASK_K: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr):
-    """Program (token tile of BLOCK_M = 8 or 16, row tile of 16 x warps x REPS, K split): K-tiles
+    """Program (token tile of BLOCK_M = 8, 16, 32 or 64, row tile of 16 x warps x REPS, K split): K-tiles
     [split * per_split, ...) of `num_tiles`, TILES of them per iteration (their loads issued together: long
     runs of each row per request burst, as the GEMV's many tiles per iteration); with PARTIAL the fp32 sums go to
     ``out[split]`` (``[splits, M, N]``, bias added by the reduction). X_SMEM: each iteration's x ``[BLOCK_M, 128 x
