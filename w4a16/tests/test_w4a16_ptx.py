@@ -1,0 +1,134 @@
+"""The NF4 codebook lookups' inline PTX, run on the CPU by a small emulator of the integer instructions they use
+(mov, and, shr, prmt, lop3), bit for bit against a direct lookup of the codebook.
+
+The interpreter runs the kernels' EMULATE branches instead of their PTX, so without this a GPU run would be the
+first to execute the lookups. The emulator knows only these instructions: PTX using another one fails here.
+"""
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def _prmt(a, b, c):
+    """PTX prmt.b32 (default mode): byte i of the result is byte (c >> 4 i) & 7 of {b, a}, sign-replicated
+    where bit 3 of that selector nibble is set."""
+    src = np.stack([(a >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)]
+                   + [(b >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)])
+    out = np.zeros_like(a)
+    for i in range(4):
+        sel = (c >> np.uint64(4 * i)) & np.uint64(0xF)
+        byte = np.take_along_axis(src, (sel & np.uint64(7)).astype(np.int64)[None], axis=0)[0]
+        replicated = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+        out |= np.where(sel & np.uint64(8), replicated, byte) << np.uint64(8 * i)
+    return out
+
+
+def _lop3(a, b, c, lut):
+    """PTX lop3.b32: bit k of the result is bit (4 a_k + 2 b_k + c_k) of `lut` (an immediate, broadcast)."""
+    out = np.zeros_like(a)
+    for minterm in range(8):
+        if int(lut.flat[0]) >> minterm & 1:
+            term = MASK32.copy()
+            for operand, bit in ((a, 4), (b, 2), (c, 1)):
+                term &= operand if minterm & bit else ~operand & MASK32
+            out |= term
+    return out
+
+
+OPS = {"mov.b32": lambda a: a, "and.b32": lambda a, b: a & b, "shr.u32": lambda a, b: a >> b,
+       "shr.b32": lambda a, b: a >> b, "prmt.b32": _prmt, "lop3.b32": _lop3}
+
+
+def _run_ptx(text: str, registers: dict) -> dict:
+    """Execute straight-line PTX on vectors of 32-bit values; `registers` maps operand names to arrays."""
+    shape = np.broadcast_shapes(*(np.shape(value) for value in registers.values()))
+    regs = {name: np.broadcast_to(np.asarray(value, dtype=np.uint64), shape) for name, value in registers.items()}
+    for line in text.replace("{", "\n").replace("}", "\n").split("\n"):
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dest, *srcs = (arg.strip() for arg in args.split(","))
+        if op not in OPS:
+            raise AssertionError(f"the emulator does not know {op!r}: teach it before trusting this PTX")
+        values = [regs[s] if s in regs else np.full(shape, int(s, 0), dtype=np.uint64) for s in srcs]
+        regs[dest] = OPS[op](*values) & MASK32
+    return regs
+
+
+@pytest.fixture(scope="module")
+def k(load_kernel):
+    return load_kernel("w4a16")
+
+
+@pytest.fixture(scope="module")
+def codebook_bits():
+    """fp16 bits of a random sorted codebook / 16 (the GEMV's tables) and the 8 PRMT tables of them: low bytes
+    of entries 0-3, 4-7, 8-11, 12-15, then high bytes."""
+    gen = torch.Generator().manual_seed(0)
+    codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
+    bits = (codebook / 16).half().view(torch.int16).numpy().astype(np.uint64) & np.uint64(0xFFFF)
+    tables = [sum(int(bits[4 * q + e] >> np.uint64(8 * high) & np.uint64(0xFF)) << 8 * e for e in range(4))
+              for high in (0, 1) for q in range(4)]
+    return bits, tables
+
+
+def _words(n=4096, seed=1):
+    return np.random.default_rng(seed).integers(0, 2**32, size=n, dtype=np.uint64)
+
+
+def _nibble(words, j):
+    return ((words >> np.uint64(4 * j)) & np.uint64(0xF)).astype(np.int64)
+
+
+def test_gemv_lookup_gives_both_bytes_of_each_value(k, codebook_bits):
+    """`nf4_lookup_asm`: the low and high bytes of the 4 values of the selector's low nibbles."""
+    bits, tables = codebook_bits
+    words = _words()
+    regs = _run_ptx(k.triton_kernels.nf4.nf4_lookup_asm("W", 3),
+                    {"W": words, **{f"${3 + i}": np.uint64(t) for i, t in enumerate(tables)}})
+    for i in range(4):
+        value = bits[_nibble(words, i)]
+        assert np.array_equal((regs["lo"] >> np.uint64(8 * i)) & np.uint64(0xFF), value & np.uint64(0xFF))
+        assert np.array_equal((regs["hi"] >> np.uint64(8 * i)) & np.uint64(0xFF), value >> np.uint64(8))
+
+
+def test_dot_pairs_hold_nibbles_j_and_j_plus_4(k, codebook_bits):
+    """`_NF4_PAIRS_ASM`: pair J holds codebook[nibble J] (low half) and codebook[nibble J + 4] (high half)."""
+    bits, tables = codebook_bits
+    words = _words(seed=2)
+    text = k.triton_kernels.nf4._NF4_PAIRS_ASM
+    regs = _run_ptx(getattr(text, "value", text),
+                    {"$4": words, **{f"${5 + i}": np.uint64(t) for i, t in enumerate(tables)}})
+    for j in range(4):
+        assert np.array_equal(regs[f"${j}"], bits[_nibble(words, j)] | bits[_nibble(words, j + 4)] << np.uint64(16))
+
+
+def test_mma_planes_pair_the_same_nibble_of_neighbouring_words(k, codebook_bits):
+    """The mma kernel's `_nf4_planes_text`: output j pairs codebook[nibble j of a] (low half) with
+    codebook[nibble j of b]; each table's second operand (pack 2 gives each element its own) is never read."""
+    mma = pytest.importorskip(f"{k.__name__}.triton_kernels.mma", reason="this Triton has no Gluon")
+    bits, tables = codebook_bits
+    a, b = _words(seed=3), _words(seed=4)
+    operands = {"$8": a, "$9": b}
+    for i, t in enumerate(tables):
+        operands[f"${10 + 2 * i}"] = np.uint64(t)
+        operands[f"${11 + 2 * i}"] = np.uint64(0xDEADBEEF)
+    regs = _run_ptx(mma._nf4_planes_text(), operands)
+    for j in range(8):
+        assert np.array_equal(regs[f"${j}"], bits[_nibble(a, j)] | bits[_nibble(b, j)] << np.uint64(16))
+
+
+def test_emulator_catches_a_wrong_selector(k, codebook_bits):
+    """The check can fail: the mma lookup with its half selectors' 0x3210 base dropped gives other values."""
+    mma = pytest.importorskip(f"{k.__name__}.triton_kernels.mma", reason="this Triton has no Gluon")
+    bits, tables = codebook_bits
+    a, b = _words(seed=5), _words(seed=6)
+    operands = {"$8": a, "$9": b, **{f"${10 + 2 * i}": np.uint64(t) for i, t in enumerate(tables)}}
+    regs = _run_ptx(mma._nf4_planes_text().replace("0x32103210", "0x0"), operands)
+    assert not np.array_equal(regs["$0"], bits[_nibble(a, 0)] | bits[_nibble(b, 0)] << np.uint64(16))
