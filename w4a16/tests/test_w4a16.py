@@ -232,6 +232,16 @@ def test_nf4_takes_its_own_tensor_core_tiles(k):
     assert k.tuning.select(64, 28672, 4096, torch.device("cpu"), nf4_group=64)["num_warps"] == 8
 
 
+def test_nf4_runs_mma_entries_on_single_block_warps(k):
+    """An mma entry with reps 2 (int4's) runs NF4 with the same rows per program on reps-1 warps, at most 4 of
+    them; entries with reps 1 stay as they are."""
+    dot = k.tuning.heuristic(16, 8192, 8192, 132)
+    for mma, want in (({"num_warps": 2, "reps": 2, "tiles": 4}, {"num_warps": 4, "reps": 1, "tiles": 4}),
+                      ({"num_warps": 4, "reps": 2, "tiles": 2}, {"num_warps": 4, "reps": 1, "tiles": 2}),
+                      ({"num_warps": 4, "tiles": 4}, {"num_warps": 4, "tiles": 4})):
+        assert k.tuning.nf4_tiles({**dot, "mma": mma}, 16, 8192, 132, 64)["mma"] == want
+
+
 def test_untuned_shapes_are_logged_once(k, caplog):
     """A GPU shape with no table entry runs the heuristic and says so, once per GPU and shape."""
     k.tuning._note_heuristic.cache_clear()

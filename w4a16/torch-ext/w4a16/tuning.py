@@ -159,7 +159,15 @@ def nf4_tiles(config: dict, m: int, n: int, sm_count: int, group_size: int) -> d
     8-warp tiles beat the int4 ones: 128 weight rows on 8 warps up to M = 64 (8-18 % faster), 256 tokens x 128
     rows above (20-55 %), split-K 2 where that leaves less than one wave. The large tile only where the group
     scales go on the operands: with a scale per whole tile (groups of 128 and more) it needs a second 256 x 128
-    accumulator, spills and overflows shared memory."""
+    accumulator, spills and overflows shared memory.
+
+    An mma entry with two 16-row blocks per warp (``reps`` 2, tuned on int4, where it halves x's shared-memory
+    reads) loses 20-50 % with NF4, whose lookup is integer-issue bound (docs/design/w4a16.md E17, run 47): NF4
+    takes the same rows on reps-1 warps (up to 4), the launch run 45 measured for NF4 on those shapes."""
+    mma = config.get("mma")
+    if mma and mma.get("reps", 1) > 1:
+        warps, reps = mma.get("num_warps", 4), mma["reps"]
+        config = {**config, "mma": {**mma, "num_warps": min(4, warps * reps), "reps": 1}}
     if config["kernel"] != "dot" or m <= 16:
         return config
     if m <= 64 or (group_size != -1 and group_size % 128 == 0):
