@@ -232,6 +232,14 @@ def test_nf4_takes_its_own_tensor_core_tiles(k):
     assert k.tuning.select(64, 28672, 4096, torch.device("cpu"), nf4_group=64)["num_warps"] == 8
 
 
+def test_heuristic_runs_up_to_32_tokens_on_the_mma_gemv(k):
+    """Untuned shapes take the mma GEMV up to 32 tokens (a 32-token tile above 16), the dot path above."""
+    plans = {m: k.tuning.heuristic(m, 22016, 4096, 132).get("mma") for m in (1, 4, 16, 17, 32, 33, 64)}
+    assert plans[1] is None and plans[33] is None and plans[64] is None
+    assert all(plans[m].get("block_m", 8) <= 16 for m in (4, 16))
+    assert plans[17]["block_m"] == plans[32]["block_m"] == 32
+
+
 def test_nf4_runs_mma_entries_on_single_block_warps(k):
     """An mma entry with reps 2 (int4's) runs NF4 with the same rows per program on reps-1 warps, at most 4 of
     them; entries with reps 1 stay as they are."""

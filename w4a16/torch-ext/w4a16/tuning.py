@@ -116,20 +116,24 @@ def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = N
     # x and the weight words by TMA from M = 17 up: 7-16 % faster at M = 64-256, a loss at M = 16 (E2, E2b)
     config = {"kernel": "dot", "block_m": block_m, "block_n": block_n, "split_k": split, "swap_ab": True,
               "full_tile": True, "packed": True, "num_warps": 4, "num_stages": 3, "x_desc": m > 16, "w_desc": m > 16}
-    if m <= 16:
-        config["mma"] = mma_heuristic(rows, tiles, sm_count)
+    if m <= 32:
+        config["mma"] = mma_heuristic(m, rows, tiles, sm_count)
     return config
 
 
-def mma_heuristic(rows: int, tiles: int, sm_count: int) -> dict:
-    """The mma GEMV's launch for 2-16 tokens where no table entry exists (formats it does not take run the config
+def mma_heuristic(m: int, rows: int, tiles: int, sm_count: int) -> dict:
+    """The mma GEMV's launch for 2-32 tokens where no table entry exists (formats it does not take run the config
     it sits in). On the H200 (2026-12-02, docs/design/w4a16.md E15, 8 Llama-3 shapes) 4 K-tiles per iteration in a
-    2-stage ring on 4 warps was the best or within 5 % of it on 6 of 8 shapes at 4-8 tokens; split-K until there
-    are two programs per SM, keeping 8 K-tiles or more per split."""
+    2-stage ring on 4 warps was the best or within 5 % of it on 6 of 8 shapes at 4-8 tokens; 17-32 tokens take one
+    32-token tile, 2 K-tiles in a 3-stage ring (E17: on 6 untuned shapes 1.08x cuBLAS against the dot
+    heuristic's 0.90x, 3-4 % slower only on Qwen2.5-1.5B qkv / o). Split-K until there are two programs per SM,
+    keeping 8 K-tiles or more per split."""
     programs = rows // 64
     split = next((s for s in (1, 2, 4) if programs * s >= 2 * sm_count), 4)
     while split > 1 and tiles // split < 8:
         split //= 2
+    if m > 16:
+        return {"block_m": 32, "num_warps": 4, "tiles": 2, "stages": 3, "split_k": split}
     return {"num_warps": 4, "tiles": 4, "stages": 2, "split_k": split}
 
 
