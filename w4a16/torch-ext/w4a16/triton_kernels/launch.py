@@ -194,8 +194,8 @@ def _launch_mma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
     smem_x = plan.get("x_smem") or stages > 1
     if (block_m not in (8, 16, 32, 64) or qweight.shape[0] % block_n or (smem_x and tiles & (tiles - 1))
             or not isinstance(stages, int) or stages < 1):
-        raise ValueError(f"config: mma block_m must be 8, 16, 32 or 64, 16 x num_warps x reps must divide the padded rows "
-                         f"({qweight.shape[0]}), x_smem and stages > 1 need a power-of-two tiles and stages is a "
+        raise ValueError(f"config: mma block_m must be 8, 16, 32 or 64, 16 x num_warps x reps must divide the padded "
+                         f"rows ({qweight.shape[0]}), x_smem and stages > 1 need a power-of-two tiles and stages is a "
                          f"positive integer; got {plan}")
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
@@ -204,8 +204,8 @@ def _launch_mma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
         x, qweight, scales, _or(zeros, scales), _or(codebook, scales), _or(bias, scales), target, m, n, k, num_tiles,
         per_split, x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), target.stride(0),
         GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
-        NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, REPS=reps, TILES=tiles,
-        MASK_K=k % 128 != 0, X_SMEM=bool(plan.get("x_smem", False)), STAGES=stages, num_warps=warps,
+        NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, REPS=reps,
+        TILES=tiles, MASK_K=k % 128 != 0, X_SMEM=bool(plan.get("x_smem", False)), STAGES=stages, num_warps=warps,
     )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False)

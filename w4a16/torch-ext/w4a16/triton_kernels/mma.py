@@ -87,16 +87,7 @@ def _nf4_planes_text() -> str:
 
 
 _NF4_PLANES_ASM = gl.constexpr(_nf4_planes_text())
-
-
-@gluon.constexpr_function
-def _nf4_planes_asm():
-    return _NF4_PLANES_ASM.value
-
-
-@gluon.constexpr_function
-def _nf4_planes_constraints():
-    return ",".join(["=r"] * 8 + ["r"] * 18)
+_NF4_PLANES_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 18))
 
 
 @gluon.jit
@@ -113,10 +104,9 @@ def _nf4_table(cb_ptr, q: gl.constexpr, HIGH: gl.constexpr, dtype: gl.constexpr)
 
 
 @gluon.jit
-def _nf4_tables(cb_ptr, like, dtype: gl.constexpr):
+def _nf4_tables(cb_ptr, z, dtype: gl.constexpr):
     """The 8 lookup tables of the codebook / 16 in `dtype` (exact: a power of two), as tensors shaped like the
-    word tile `like`: low bytes of entries 0-3, 4-7, 8-11, 12-15, then high bytes."""
-    z = gl.zeros_like(like)
+    zero word tile `z`: low bytes of entries 0-3, 4-7, 8-11, 12-15, then high bytes."""
     return (z + _nf4_table(cb_ptr, 0, False, dtype), z + _nf4_table(cb_ptr, 1, False, dtype),
             z + _nf4_table(cb_ptr, 2, False, dtype), z + _nf4_table(cb_ptr, 3, False, dtype),
             z + _nf4_table(cb_ptr, 0, True, dtype), z + _nf4_table(cb_ptr, 1, True, dtype),
@@ -129,7 +119,7 @@ def _nf4_tile(words, tables, x_like):
     (`_nf4_planes_text`)."""
     t0, t1, t2, t3, t4, t5, t6, t7 = tables
     dtype = x_like.dtype
-    return gl.inline_asm_elementwise(_nf4_planes_asm(), _nf4_planes_constraints(),
+    return gl.inline_asm_elementwise(_NF4_PLANES_ASM, _NF4_PLANES_CONSTRAINTS,
                                      [words, t0, t1, t2, t3, t4, t5, t6, t7],
                                      (dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
 

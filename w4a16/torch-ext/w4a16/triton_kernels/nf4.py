@@ -3,8 +3,8 @@
 The 16 codebook values as fp16 (divided by 16 for the GEMV, whose int4 arithmetic carries that factor; as they
 are for the tensor-core operands) live in 8 registers: the low bytes of entries 0-3, 4-7, 8-11, 12-15 and
 then their high bytes (`_nf4_tables`). One PRMT looks up 4 bytes at once in an 8-byte table by the low 3 bits of
-4 nibbles; bit 3 of each nibble, made a byte mask by one more PRMT (selector 0xC replicates the sign of a 0x80
-byte), picks the table half with a LOP3.
+4 nibbles; bit 3 of each nibble, shifted into a PRMT selector (0x3210 plus 4 where it is set), picks the table
+half of each byte with one more PRMT (`nf4_select_asm`).
 """
 
 import triton
@@ -61,7 +61,7 @@ def nf4_select_asm(selector: str, halves: str, tables: list[str]) -> str:
 # The tensor-core kernel's NF4 operands: for each 32-bit word, 4 fp16 pairs (codebook[nibble J] in the low
 # half, codebook[nibble J + 4] in the high half), the layout `dot._unit_pair` gives int4. Bytes 0 and 2 of
 # the word (nibbles 0, 1, 4, 5) and then bytes 1 and 3 (nibbles 2, 3, 6, 7) are gathered into one selector
-# each, looked up (`nf4_lookup_asm`), and 2 PRMT interleave low and high bytes into the pairs (J, J + 4): 26
+# each, looked up (`nf4_lookup_asm`), and 2 PRMT interleave low and high bytes into the pairs (J, J + 4): 24
 # instructions per 8 weights. Operands: $0-$3 the pairs, $4 the word, $5-$12 the tables.
 _NF4_PAIRS_ASM = tl.constexpr(
     "{\n.reg .b32 t, s, x, la, lb, ha, hb, lo, hi;\n"
