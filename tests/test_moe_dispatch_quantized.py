@@ -181,8 +181,9 @@ def quantized_reference(k, x, q_gate_up, q_down, weights, ids):
     return experts_float64(x, dequantized64(k, q_gate_up), dequantized64(k, q_down), weights, ids)
 
 
-# T <= 4: the GEMV kernels; T <= 16: the decode kernels; larger T: sort + grouped kernels (all with the
-# dequantization in the K loop)
+# T <= 4: the GEMV kernels (the packed-fp16 ones up to T = 16 for int4 in groups of >= 128 or per channel with
+# 16-bit activations); T <= 16: the decode kernels; larger T: sort + grouped kernels (all with the dequantization
+# in the K loop)
 CASES = [
     # (format, T, E, top_k, routing kind, dtype)
     ("int4-zp-g64", 2, 6, 3, "empty", torch.float16),
@@ -231,6 +232,41 @@ def test_every_output_element_written(k, monkeypatch, T):
     k.ops.triton_kernels.experts(x, q_gate_up, q_down, weights, ids, out)
     kept = weights.float() * ((ids >= 0) & (ids < E))
     assert_close(out, quantized_reference(k, x, q_gate_up, q_down, kept, ids.clamp(0, E - 1)), torch.float16)
+
+
+# The packed-fp16 GEMVs (int4 in groups of >= 128 or per channel, 16-bit activations) under every launch plan
+# they take: pointer loads or TMA boxes, x broadcast over the rows or in the weight tile's shape, 1 or 3 stages,
+# split-K of the down GEMV (fp32 partials the combine adds), loop steps past the last tile, K past a tile's end
+# (per channel: H = 320, I = 192).
+PACKED_PLANS = {
+    "plain": {"BLOCK_N": 8, "TILES": 2, "num_warps": 4, "num_stages": 1},
+    "bcast-ring": {"BLOCK_N": 16, "TILES": 2, "num_warps": 2, "num_stages": 3, "X_BCAST": True},
+    "tma-split": {"BLOCK_N": 16, "TILES": 1, "num_warps": 2, "num_stages": 3, "X_BCAST": True, "TMA": True,
+                  "SPLIT_K": 2},
+    "tma-wide": {"BLOCK_N": 32, "TILES": 4, "num_warps": 4, "num_stages": 2, "TMA": True, "SPLIT_K": 3},
+}
+
+
+@pytest.mark.parametrize("plan,fmt_name,dtype", [
+    ("plain", "int4-sym-g128", torch.bfloat16), ("bcast-ring", "int4-zp-g128", torch.float16),
+    ("tma-split", "int4-zp-channel", torch.bfloat16), ("tma-wide", "int4-sym-g128", torch.bfloat16),
+    ("tma-split", "int4-zp-g128", torch.float16), ("bcast-ring", "int4-zp-channel", torch.bfloat16)])
+def test_packed_gemv_plans(k, monkeypatch, plan, fmt_name, dtype):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    zero_point, group_size = {"int4-sym-g128": (False, 128), "int4-zp-g128": (True, 128),
+                              "int4-zp-channel": (True, -1)}[fmt_name]
+    E, H, I, T, top_k = 4, 320 if group_size == -1 else 384, 192 if group_size == -1 else 128, 3, 2
+    q_gate_up, q_down = quantized_experts(k, E, H, I, "int4", zero_point, group_size, dtype)
+    assert k.ops.triton_kernels.packed_gemv(q_down, dtype) and not k.ops.triton_kernels.packed_gemv(q_down,
+                                                                                                     torch.float32)
+    x = (torch.randn(T, H) * 30).to(dtype)  # |x| past fp16's 2^11 scaled range: the per-tile scaling must hold
+    weights, ids = routing("balanced", T, E, top_k)
+    ids[2, 1] = E  # selects nothing
+    out = torch.full((T, H), float("nan"), dtype=dtype)
+    k.ops.triton_kernels.experts(x, q_gate_up, q_down, weights, ids, out,
+                                 config={"GEMV": True, "gate_up": PACKED_PLANS[plan], "down": PACKED_PLANS[plan]})
+    kept = weights * (ids < E)
+    assert_close(out, quantized_reference(k, x, q_gate_up, q_down, kept, ids.clamp(max=E - 1)), dtype)
 
 
 def test_sentinel_ids_with_allow_sentinel(k, path):

@@ -64,14 +64,48 @@ def rel_error(out, ref):
 @pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("T,skewed", [(1, False), (4, True), (5, False), (16, True), (300, False), (1200, True)])
 def test_fused_experts_4bit(k, name, T, skewed):
-    """E=16, H=2048, I=768 (Qwen3-30B-A3B's expert size), top-8; GEMV (T <= 4), decode (T <= 16) and grouped
-    kernels."""
+    """E=16, H=2048, I=768 (Qwen3-30B-A3B's expert size), top-8; GEMV (T <= 4; packed-fp16 up to 16), decode
+    (T <= 16) and grouped kernels."""
     E, H, I, top_k = 16, 2048, 768, 8
     q_gate_up, q_down = layer(k, E, H, I, name)
     x = torch.randn(T, H, device="cuda").bfloat16()
     weights, ids = routing(T, E, top_k, skewed)
     out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
     k.ops.triton_kernels.experts(x, q_gate_up, q_down, weights, ids, out)
+    ref = experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32), weights,
+                          ids)
+    assert rel_error(out, ref) <= TOL
+
+
+PACKED_PLANS = {  # the packed-fp16 GEMVs' launch plans (pointer loads / TMA, x broadcast or not, split-K)
+    "tma": {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 8, "num_warps": 2, "num_stages": 3, "X_BCAST": True, "TMA": True},
+    "tma-split3": {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 2, "num_warps": 4, "num_stages": 4, "X_BCAST": True,
+                   "TMA": True, "SPLIT_K": 3},
+    "cp-async": {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 4, "num_warps": 2, "num_stages": 3, "X_BCAST": True},
+    "plain": {"BLOCK_N": 8, "BLOCK_K": 128, "TILES": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 2},
+}
+
+
+@pytest.mark.parametrize("plan", sorted(PACKED_PLANS))
+@pytest.mark.parametrize("name,dtype", [("int4-g128", torch.bfloat16), ("int4-zp-g128", torch.float16),
+                                        ("int4-zp-channel", torch.bfloat16), ("int4-g256", torch.float16)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_packed_gemv_plans(k, plan, name, dtype, T):
+    """The packed-fp16 GEMVs' inline PTX under each launch plan, Qwen3-30B-A3B's expert size (E=16), top-8, into a
+    NaN-poisoned output; H = 1920 (15 tiles: loop steps past the last tile), large |x| (per-tile fp16 scaling)."""
+    fmt, zero_point, group_size = {**FORMATS, "int4-zp-g128": ("int4", True, 128),
+                                   "int4-g256": ("int4", False, 256)}[name]
+    E, H, I, top_k = 16, 1792 if group_size == 256 else 1920, 768, 8
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w_gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(dtype)
+    w_down = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(dtype)
+    q_gate_up, q_down = k.quantize_experts(w_gate_up, w_down, group_size=group_size, fmt=fmt, zero_point=zero_point)
+    assert k.ops.triton_kernels.packed_gemv(q_gate_up, dtype)
+    x = (torch.randn(T, H, device="cuda", generator=g) * 40).to(dtype)
+    weights, ids = routing(T, E, top_k)
+    out = torch.full((T, H), float("nan"), device="cuda", dtype=dtype)
+    k.ops.triton_kernels.experts(x, q_gate_up, q_down, weights, ids, out,
+                                 config={"GEMV": True, "gate_up": PACKED_PLANS[plan], "down": PACKED_PLANS[plan]})
     ref = experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32), weights,
                           ids)
     assert rel_error(out, ref) <= TOL

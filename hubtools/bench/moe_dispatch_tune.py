@@ -1,6 +1,7 @@
 """Measure block-size candidates on a GPU and write the tuned configs the package ships.
 
     python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --out DIR [--compile-only --shard I/N]
+    python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --out DIR --gemv-4bit 1 4 [--models ...]
     python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --configs-from docs/benchmarks/moe-dispatch-tune.json \
         --device "NVIDIA H200" --out moe-dispatch/torch-ext/moe_dispatch
 
@@ -148,6 +149,81 @@ def tune(tk, names) -> list[dict]:
     return results
 
 
+def _packed(n, tiles, warps, stages, bcast=True, tma=True, split=1) -> dict:
+    plan = {"BLOCK_N": n, "BLOCK_K": 128, "TILES": tiles, "num_warps": warps, "num_stages": stages, "X_BCAST": bcast,
+            "TMA": tma}
+    return {**plan, "SPLIT_K": split} if split > 1 else plan
+
+
+PACKED = {  # 4-bit experts' packed-fp16 GEMV candidates (either kernel; SPLIT_K only for the down GEMV)
+    "16x8-tma3-w2": _packed(16, 8, 2, 3), "16x8-tma3-w4": _packed(16, 8, 4, 3), "16x4-tma4-w2": _packed(16, 4, 2, 4),
+    "8x8-tma3-w2": _packed(8, 8, 2, 3), "32x4-tma3-w4": _packed(32, 4, 4, 3), "16x8-tma2-w2": _packed(16, 8, 2, 2),
+    "16x8-cp3-w2": _packed(16, 8, 2, 3, tma=False), "8x8-plain-w4": _packed(8, 8, 4, 1, bcast=False, tma=False),
+    "8x16-plain-w4": _packed(8, 16, 4, 1, bcast=False, tma=False),
+    "16x8-tma3-w2-split2": _packed(16, 8, 2, 3, split=2), "16x8-tma3-w2-split4": _packed(16, 8, 2, 3, split=4),
+    "8x8-plain-w4-split2": _packed(8, 8, 4, 1, bcast=False, tma=False, split=2),
+}
+
+
+def gemv_4bit(tk, k, names, tokens, candidates) -> list[dict]:
+    """4-bit experts (int4 g128, bf16 activations) at GEMV token counts: each candidate of the gate/up GEMV with
+    the heuristic's down, then each down candidate with the fastest gate/up, and the kernels the same T runs
+    without the packed GEMVs; `experts` only (no router), timed as the benchmark times moe_forward, every
+    candidate's output checked against the per-expert loop first."""
+    from .moe_dispatch import QUANT_FORMATS, QUANT_MAX_COPIES, QuantCase, make_quantized_layers, quant_expert_bytes
+    from ..measure import measure_copy_bandwidth, rotation_count
+
+    warm_clocks()
+    copy_bw = measure_copy_bandwidth()
+    spec = QUANT_FORMATS["int4-g128"]
+    results = []
+    for name in names:
+        m = MODELS[name]
+        expert_bytes = quant_expert_bytes(k, m, spec)
+        copies = rotation_count(m.top_k * expert_bytes, max_copies=QUANT_MAX_COPIES)
+        layers = make_quantized_layers(k, m, copies, spec)
+        for T in tokens:
+            case = QuantCase(k, m, layers, T, "int4-g128", expert_bytes, seed=T)
+            ref = case.reference(0).float()
+            outs = [torch.empty_like(x) for x in case.xs]
+
+            def call(config):
+                def fn(i):
+                    weights, ids = case.routes[i]
+                    return tk.experts(case.xs[i], layers[i].w_gate_up, layers[i].w_down, weights, ids, outs[i],
+                                      config=config)
+                return fn
+
+            config = tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, torch.device("cuda"),
+                                       quantized=True, packed=True)
+            if T > tk.GEMV_MAX_TOKENS:  # the tl.dot kernels this T ran before the packed GEMVs took it
+                other = tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, torch.device("cuda"),
+                                          quantized=True)
+                results.append({"model": name, "T": T, "kernel": "both", "candidate": "tl.dot kernels",
+                                "config": other, "seconds": graph_seconds(call(other), copies),
+                                "bound": case.weight_bytes() / copy_bw})
+                print(f"{name} T={T} tl.dot kernels: {results[-1]['seconds'] * 1e6:.1f} us", flush=True)
+            for kernel in ("gate_up", "down"):
+                timed = []
+                for cand, plan in candidates.items():
+                    if kernel == "gate_up" and "SPLIT_K" in plan:
+                        continue
+                    trial = {**config, kernel: plan}
+                    err = ((call(trial)(0).float() - ref).norm() / ref.norm()).item()
+                    if not err < 2e-2:
+                        raise RuntimeError(f"{name} T={T} {kernel} {cand}: relative error {err:.3g}")
+                    timed.append((graph_seconds(call(trial), copies), trial))
+                    results.append({"model": name, "T": T, "kernel": kernel, "candidate": cand, "config": trial,
+                                    "seconds": timed[-1][0], "bound": case.weight_bytes() / copy_bw, "err": err})
+                    print(f"{name} T={T} {kernel} {cand}: {timed[-1][0] * 1e6:.1f} us "
+                          f"(bound {results[-1]['bound'] * 1e6:.1f})", flush=True)
+                config = min(timed, key=lambda tc: tc[0])[1]
+            del case
+        del layers
+        torch.cuda.empty_cache()
+    return results
+
+
 def best_configs(results: list[dict]) -> dict[str, dict[int, dict]]:
     """The fastest candidate per (model, T); for decode the fastest of each kernel."""
     def fastest(rows):
@@ -184,14 +260,23 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--shard", default="0/1", help="I/N: this process's share of --compile-only")
+    parser.add_argument("--gemv-4bit", nargs="*", type=int, metavar="T",
+                        help="time the 4-bit experts' packed GEMV candidates at these token counts instead "
+                             "(writes DIR/gemv-4bit-results.json, no configs)")
     args = parser.parse_args()
     if args.configs_from and not args.device:
         parser.error("--configs-from needs --device")
 
     import kernels
 
-    tk = kernels.get_local_kernel(args.build).ops.triton_kernels
+    k = kernels.get_local_kernel(args.build)
+    tk = k.ops.triton_kernels
     env = environment()
+    if args.gemv_4bit is not None:
+        results = gemv_4bit(tk, k, args.models, args.gemv_4bit or [1], PACKED)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gemv-4bit-results.json").write_text(json.dumps({"env": env, "rows": results}, indent=1) + "\n")
+        return
     if args.configs_from:  # the file holds times only: the measuring run's versions are not known here
         write_configs(tk, json.loads(args.configs_from.read_text()), args.out / "configs", args.device,
                       {k: env[k] for k in ("command", "date")})

@@ -16,17 +16,22 @@ Launches for a whole layer (`moe_forward`), none of them sized by device data (n
 4-bit experts (`QuantizedExperts`, quantized.py) run the same launches: the four expert kernels take
 QUANT=True and the format as constexprs (NF4, HAS_ZERO, HAS_MIN, GROUP); their K loops then step one packed
 tile (128 columns, 16 words per row) at a time and dequantize it in registers (`_dequant_tile`) into the
-operand of the same tl.dot. At T <= GEMV_MAX_TOKENS `_gate_up_gemv_kernel` / `_down_gemv_kernel` replace the
-two decode kernels (no tensor cores). No shared expert rides along with them (the op adds a dense one after).
+operand of the same tl.dot. At a few tokens GEMVs replace the two decode kernels (no tensor cores; one program
+per (token, slot) pair and block of rows): `_gate_up_h2_kernel` / `_down_h2_kernel` (packed-fp16 arithmetic,
+TMA rings; int4 in groups of >= 128 columns or per channel, 16-bit activations, T <= PACKED_GEMV_MAX_TOKENS),
+else `_gate_up_gemv_kernel` / `_down_gemv_kernel` (fp32, T <= GEMV_MAX_TOKENS); a down GEMV split over K
+leaves fp32 partial sums that the combine adds. No shared expert rides along with 4-bit experts (the op adds a
+dense one after).
 
 Buffers are sized by upper bounds known from shapes: the padded pair count is at most
 (T*k // BLOCK_M + min(E, T*k)) * BLOCK_M <= T*k + E*(BLOCK_M-1). A shared expert of the routed experts'
 intermediate size rides along as expert E in an extra top-k slot of weight 1.
 """
 
-from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, GEMV_MAX_TOKENS, config_path, default_config,
+from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, GEMV_MAX_TOKENS, PACKED_GEMV_MAX_TOKENS, config_path,
+                      default_config,
                       get_config)
-from .launch import experts, moe_forward, route
+from .launch import experts, moe_forward, packed_gemv, route
 
-__all__ = ["CHUNK_TOKENS", "DECODE_MAX_TOKENS", "GEMV_MAX_TOKENS", "config_path", "default_config", "experts",
-           "get_config", "moe_forward", "route"]
+__all__ = ["CHUNK_TOKENS", "DECODE_MAX_TOKENS", "GEMV_MAX_TOKENS", "PACKED_GEMV_MAX_TOKENS", "config_path",
+           "default_config", "experts", "get_config", "moe_forward", "packed_gemv", "route"]

@@ -12,6 +12,7 @@ import triton
 
 DECODE_MAX_TOKENS = 16  # up to this many tokens one 16-row tile holds them all: the decode kernels run
 GEMV_MAX_TOKENS = 4  # 4-bit experts up to this many tokens: the GEMV kernels (gemv.py)
+PACKED_GEMV_MAX_TOKENS = 16  # the same for formats of the packed-fp16 GEMVs (`launch.packed_gemv`)
 CHUNK_TOKENS = 64  # tokens per routing chunk; the sort places one chunk per program
 CONFIG_DIR = Path(__file__).parent.parent / "configs"
 logger = logging.getLogger(__name__)
@@ -70,14 +71,22 @@ def _pow2_at_most(n: int, cap: int) -> int:
 
 
 def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int,
-                   device: torch.device, quantized: bool = False) -> dict:
+                   device: torch.device, quantized: bool = False, packed: bool = False) -> dict:
     """Heuristic block sizes when no tuned config exists for the shape (`quantized`: 4-bit experts, whose
-    BLOCK_K is the packed tile; `_for_weights`)."""
+    BLOCK_K is the packed tile; `_for_weights`; `packed`: of a format the packed-fp16 GEMVs take)."""
+    if packed and tokens <= PACKED_GEMV_MAX_TOKENS:
+        # 16 rows by 8 tiles, x broadcast over the rows, a 3-stage TMA ring, 2 warps: the fastest of 12 candidates
+        # or within 4 % of it for both GEMVs of Mixtral, DeepSeek-V3 and Qwen3-30B-A3B at T = 1 and 4 (run 49,
+        # docs/design/moe-dispatch.md); split-K never helped
+        plan = {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 8, "num_warps": 2, "num_stages": 3, "X_BCAST": True,
+                "TMA": True}
+        return {"GEMV": True, "gate_up": plan, "down": plan}
     if quantized and tokens <= GEMV_MAX_TOKENS:
         # The best of a sweep on the H200 (BLOCK_N 8-32, TILES 2-4, 1 or 3 stages; Mixtral, DeepSeek-V3, Qwen3-30B
         # at T=1, docs/design/moe-dispatch.md): every config within ~6 % of these, so the kernels are bound by
         # their instructions, not by the block sizes
-        return {"gate_up": {"BLOCK_N": 8, "BLOCK_K": 128, "TILES": 4, "num_warps": 4, "num_stages": 1},
+        return {"GEMV": True,
+                "gate_up": {"BLOCK_N": 8, "BLOCK_K": 128, "TILES": 4, "num_warps": 4, "num_stages": 1},
                 "down": {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 4, "num_warps": 4, "num_stages": 1}}
     if quantized:
         config = _for_weights(default_config(tokens, num_experts, hidden, intermediate, top_k, device), True)

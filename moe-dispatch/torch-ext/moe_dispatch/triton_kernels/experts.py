@@ -100,9 +100,10 @@ def _down_grouped_kernel(
 
 
 @triton.jit
-def _combine_kernel(pairs_ptr, ids_ptr, out_ptr, H, num_experts, stride_pt, stride_ot,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum over slots j, in slot order, of the weighted expert output of pair (t, j)."""
+def _combine_kernel(pairs_ptr, ids_ptr, out_ptr, H, num_experts, stride_pt, stride_ot, stride_split,
+                    TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over slots j, in slot order, of the weighted expert output of pair (t, j); SPLITS > 1: each
+    pair's output is that many partial sums (split-K down GEMV, `stride_split` apart), added in split order."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
@@ -110,8 +111,11 @@ def _combine_kernel(pairs_ptr, ids_ptr, out_ptr, H, num_experts, stride_pt, stri
     for j in tl.static_range(TOP_K):
         e = tl.load(ids_ptr + t * TOP_K + j)
         picked = (e >= 0) & (e < num_experts)
-        row = tl.load(pairs_ptr + (t * TOP_K + j) * stride_pt + offs, mask=h_ok, other=0.0)
-        acc += tl.where(picked, row.to(tl.float32), 0.0)  # rows of unpicked pairs were never written
+        row = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            row += tl.load(pairs_ptr + s * stride_split + (t * TOP_K + j) * stride_pt + offs, mask=h_ok,
+                           other=0.0).to(tl.float32)
+        acc += tl.where(picked, row, 0.0)  # rows of unpicked pairs were never written
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 

@@ -1,4 +1,6 @@
-"""4-bit decode GEMVs (T <= GEMV_MAX_TOKENS): no tensor cores, the dequantization in the FMA chain."""
+"""4-bit decode GEMVs: no tensor cores, the dequantization in the FMA chain (`_gate_up_gemv_kernel`,
+`_down_gemv_kernel`: every format, fp32 arithmetic) or in packed fp16 (`_gate_up_h2_kernel`, `_down_h2_kernel`:
+int4 in scale groups of >= 128 columns or per channel, 16-bit activations)."""
 
 import triton
 import triton.language as tl
@@ -6,13 +8,13 @@ import triton.language as tl
 from .tiles import _MAGIC, _MAGIC_BITS, _WORDS, _quant_bases
 
 
-# 4-bit decode GEMVs (T <= GEMV_MAX_TOKENS): one program per (token, slot) pair and block of output rows, no
+# The fp32 GEMVs (T <= GEMV_MAX_TOKENS): one program per (token, slot) pair and block of output rows, no
 # tensor cores. At a few tokens a tl.dot pads them to 16 rows and needs the dequantized tile in the MMA's operand
 # layout (a shared-memory round trip per K-tile); here the K loop keeps a [BLOCK_N, TILES, 16] tile of words in
 # flight and each int4 weight costs a LOP3, an FADD and an FFMA (`_int4_plane`): 4.7 (down) and 5.3 (gate/up)
 # instructions per weight in the K loop's SASS for int4 g128 (sm_90).
 # Pairs of one expert each stream its weights (from L2 after the first): worth it only while pairs are few
-# (configs.GEMV_MAX_TOKENS).
+# (configs.GEMV_MAX_TOKENS, PACKED_GEMV_MAX_TOKENS).
 
 
 @triton.jit
@@ -187,3 +189,271 @@ def _down_gemv_kernel(
                             HAS_MIN, GROUP, EVEN_K, EMULATE)
         acc *= tl.load(topk_w_ptr + p).to(tl.float32)
         tl.store(pair_out_ptr + p.to(tl.int64) * stride_pt + rows, acc.to(pair_out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Packed-fp16 GEMVs: int4 (symmetric or with zero points) in scale groups of >= 128 columns or per channel
+# ----------------------------------------------------------------------------------------------------
+# The word math of w4a16's `_gemv_h2_kernel` (moe-dispatch cannot import w4a16; the format contract is the same).
+# A 32-bit word holds nibbles j and j + 4 of its 16-column stride in its two 16-bit halves, so one LOP3
+# ((w & 0x000F000F) | 0x64006400) makes the fp16 pair (1024 + n_j, 1024 + n_{j+4}) (planes 1 and 3 masked in place:
+# 1024 + 16 n) and one HFMA2 turns it into (n - zero) / 16 exactly; 4 HMUL2 / HFMA2 with packed x pairs and an HADD2
+# give the word's 8-term dot in fp16, converted once to fp32 and scaled there: ~2 instructions per weight for the
+# word math against ~4.7 for `_gemv_chunk`. Products and the 8 partial sums round to fp16 (2^-11 relative); the
+# / 16 keeps them finite for |x| up to ~16k. x must then be fp16: bf16 or fp32 x (the hidden states, the fp32
+# intermediate) is made fp16 per 128-column tile inside the kernel (X_SCALED), times the power of two that puts the
+# tile's largest |x| in [2^10, 2^11) (bf16 converts exactly, fp32 rounds to 11 bits), the inverse folded into the
+# tile's scale.
+_H2_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, t2, t3, w8, m1, m2, mg, k16, k256, p;
+.reg .b16 lo, hi;
+mov.b32 m1, 0x000F000F;
+mov.b32 m2, 0x00F000F0;
+mov.b32 mg, 0x64006400;
+mov.b32 k16, 0x2C002C00;
+mov.b32 k256, 0x1C001C00;
+lop3.b32 t0, $1, m1, mg, 0xEA;
+lop3.b32 t1, $1, m2, mg, 0xEA;
+shr.u32 w8, $1, 8;
+lop3.b32 t2, w8, m1, mg, 0xEA;
+lop3.b32 t3, w8, m2, mg, 0xEA;
+fma.rn.f16x2 t0, t0, k16, $2;
+fma.rn.f16x2 t1, t1, k256, $3;
+fma.rn.f16x2 t2, t2, k16, $2;
+fma.rn.f16x2 t3, t3, k256, $3;
+mul.rn.f16x2 p, t0, $4;
+fma.rn.f16x2 p, t1, $5, p;
+fma.rn.f16x2 p, t2, $6, p;
+fma.rn.f16x2 p, t3, $7, p;
+mov.b32 {lo, hi}, p;
+add.rn.f16 lo, lo, hi;
+cvt.f32.f16 $0, lo;
+}""")
+_ZLO_SYM = tl.constexpr(-737618936)  # 0xD408D408: the fp16 pair -(64 + 8/16), the symmetric zero point 8
+_ZHI_SYM = tl.constexpr(-998194048)  # 0xC480C480: the fp16 pair -(4 + 8/16)
+
+
+@triton.jit
+def _h2_pack(a, b):
+    """Two fp16 tensors as one int32 tensor of fp16 pairs (a in the low half)."""
+    lo = a.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = b.to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return lo | hi
+
+
+@triton.jit
+def _h2_low(v):
+    """The fp16 in the low half of each int32, as fp32 (the interpreter's emulation)."""
+    return (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _h2_zero_pairs(zero):
+    """fp16 pairs -(64 + z/16) and -(4 + z/16) of a float zero point z (exact in fp16 for 0 <= z <= 15)."""
+    zlo = (-(64.0 + zero * 0.0625)).to(tl.float16)
+    zhi = (-(4.0 + zero * 0.0625)).to(tl.float16)
+    return _h2_pack(zlo, zlo), _h2_pack(zhi, zhi)
+
+
+@triton.jit
+def _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
+    """sum_j (code_j - zero) / 16 * x_j over the 8 nibbles of each word, as fp32 (`_H2_ASM`); xp_J packs the x of
+    nibbles J (low half) and J + 4. EMULATE (the interpreter, which cannot run inline PTX): the same sum in fp32."""
+    if EMULATE:
+        zero16 = -64.0 - _h2_low(zlo)  # z / 16
+        acc = tl.zeros(w.shape, dtype=tl.float32)
+        for j in tl.static_range(4):
+            if j == 0:
+                xp = xp0
+            elif j == 1:
+                xp = xp1
+            elif j == 2:
+                xp = xp2
+            else:
+                xp = xp3
+            acc += (((w >> (4 * j)) & 0xF).to(tl.float32) * 0.0625 - zero16) * _h2_low(xp)
+            acc += (((w >> (16 + 4 * j)) & 0xF).to(tl.float32) * 0.0625 - zero16) * _h2_low(xp >> 16)
+        return acc
+    else:
+        return tl.inline_asm_elementwise(_H2_ASM, "=f,r,r,r,r,r,r,r", [w, zlo, zhi, xp0, xp1, xp2, xp3],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_at(x_row, k, K, MASK: tl.constexpr):
+    if MASK:
+        return tl.load(x_row + k, mask=k < K, other=0.0)
+    return tl.load(x_row + k)
+
+
+@triton.jit
+def _x_tile_scales(x_row, k0, K, MASK: tl.constexpr):
+    """Per 128-column tile of x (k0: its first 16 columns), the power of two that puts its largest |x| in
+    [2^10, 2^11), clamped to a normal float (an all-zero tile gets 2^127); shape k0's without the last axis."""
+    amax = tl.zeros(k0.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        amax = tl.maximum(amax, tl.abs(_x_at(x_row, k0 + 16 * j, K, MASK).to(tl.float32)))
+    exponent = (tl.max(amax, axis=2).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the max
+    return (tl.minimum(tl.maximum(264 - exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_pair(x_row, k0, K, scale, J: tl.constexpr, X_SCALED: tl.constexpr, MASK: tl.constexpr):
+    """The packed fp16 x operand of nibbles J and J + 4 (K-columns k0 + 16 J and k0 + 16 J + 64)."""
+    a = _x_at(x_row, k0 + 16 * J, K, MASK)
+    b = _x_at(x_row, k0 + 16 * J + 64, K, MASK)
+    if X_SCALED:
+        a = (a.to(tl.float32) * scale[:, :, None]).to(tl.float16)
+        b = (b.to(tl.float32) * scale[:, :, None]).to(tl.float16)
+    return _h2_pack(a, b)
+
+
+@triton.jit
+def _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr):
+    """[BLOCK_N, TILES] fp32 scales of the word tile and its zero-point pairs (symmetric: the constant pairs);
+    per channel (GROUP -1) scale 1 here: the caller scales after the K loop."""
+    if GROUP == -1:
+        s = tl.full(ok.shape, 1.0, tl.float32)
+        zlo, zhi = 0, 0
+    else:
+        offs = (tile // (GROUP // 128))[None, :].to(tl.int64) * stride_sg + rows[:, None]
+        s = tl.load(s_base + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            zero = tl.load(z_base + offs, mask=ok, other=0).to(tl.float32)
+            zlo, zhi = _h2_zero_pairs(zero[:, :, None] + tl.zeros([ok.shape[0], ok.shape[1], 16], dtype=tl.float32))
+        else:
+            zlo, zhi = 0, 0
+    return s, zlo, zhi
+
+
+@triton.jit
+def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K, first, per_split, stride_qn,
+             stride_sg, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
+             HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
+             W_DESC: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 [BLOCK_N] dot products of x_row with weight rows `rows` over K-tiles [first, first + per_split), by
+    `_H2_ASM`; TWO: also rows `rows_b` in the same loop (the up rows of a gate / up pair).
+
+    The words come through a `num_stages` ring (STAGES > 1: cp.async copies of pointer loads, or with W_DESC TMA
+    boxes of [BLOCK_N, TILES, 16] from the descriptor `w_src` at descriptor rows `w_row` / `w_row_b`; boxes past
+    the last tile read as zeros). X_BCAST: x as [1, TILES, 16], broadcast over the rows in the dot (a thread then
+    holds all BLOCK_N rows of its word positions and loads each x once); else x in the weight tile's shape.
+    MASK: some loop step reaches past K or past the last tile."""
+    num_tiles = tl.cdiv(K, 128)
+    tile_ar = tl.arange(0, TILES)
+    col = tl.arange(0, _WORDS)
+    acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+    zlo = tl.full([BLOCK_N, TILES, _WORDS], _ZLO_SYM, tl.int32)
+    zhi = tl.full([BLOCK_N, TILES, _WORDS], _ZHI_SYM, tl.int32)
+    zlo_b, zhi_b = zlo, zhi
+    if GROUP == -1 and HAS_ZERO:  # one zero point per row, for all of K
+        zlo, zhi = _h2_zero_pairs(tl.load(z_base + rows, mask=n_ok, other=0).to(tl.float32)[:, None, None] + acc)
+        if TWO:
+            zlo_b, zhi_b = _h2_zero_pairs(tl.load(z_base + rows_b, mask=n_ok, other=0).to(tl.float32)[:, None, None]
+                                          + acc)
+    if not W_DESC:
+        w_ptrs = w_src + rows[:, None, None] * stride_qn + col[None, None, :]
+        w_ptrs_b = w_src + rows_b[:, None, None] * stride_qn + col[None, None, :]
+    for it in tl.range(0, per_split, TILES, num_stages=STAGES):
+        tile = first + it + tile_ar
+        live = tile < num_tiles
+        ok = n_ok[:, None] & live[None, :]
+        if W_DESC:
+            w = w_src.load([w_row, first + it, 0])
+            if TWO:
+                w_b = w_src.load([w_row_b, first + it, 0])
+        else:
+            offs = tile[None, :, None] * _WORDS
+            w = tl.load(w_ptrs + offs, mask=ok[:, :, None], other=0, eviction_policy="evict_first")
+            if TWO:
+                w_b = tl.load(w_ptrs_b + offs, mask=ok[:, :, None], other=0, eviction_policy="evict_first")
+        k0 = tile[None, :, None] * 128 + col[None, None, :]
+        if not X_BCAST:
+            k0 = tl.broadcast_to(k0, (BLOCK_N, TILES, _WORDS))
+        scale = 1.0
+        if X_SCALED:
+            scale = _x_tile_scales(x_row, k0, K, MASK)
+        xp0 = _x_pair(x_row, k0, K, scale, 0, X_SCALED, MASK)
+        xp1 = _x_pair(x_row, k0, K, scale, 1, X_SCALED, MASK)
+        xp2 = _x_pair(x_row, k0, K, scale, 2, X_SCALED, MASK)
+        xp3 = _x_pair(x_row, k0, K, scale, 3, X_SCALED, MASK)
+        s, z_lo, z_hi = _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO, GROUP)
+        if GROUP != -1 and HAS_ZERO:
+            zlo, zhi = z_lo, z_hi
+        if X_SCALED:
+            s = s / scale
+        acc += _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE) * s[:, :, None]
+        if TWO:
+            s_b, z_lo, z_hi = _h2_tile_params(s_base, z_base, tile, rows_b, ok, stride_sg, HAS_ZERO, GROUP)
+            if GROUP != -1 and HAS_ZERO:
+                zlo_b, zhi_b = z_lo, z_hi
+            if X_SCALED:
+                s_b = s_b / scale
+            acc_b += _h2_word_dot(w_b, zlo_b, zhi_b, xp0, xp1, xp2, xp3, EMULATE) * s_b[:, :, None]
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
+    out_b = tl.sum(tl.sum(acc_b, axis=2), axis=1) * 16.0
+    if GROUP == -1:  # per channel: one scale per row, applied once
+        out *= tl.load(s_base + rows, mask=n_ok, other=0.0).to(tl.float32)
+        out_b *= tl.load(s_base + rows_b, mask=n_ok, other=0.0).to(tl.float32)
+    return out, out_b
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gate_up_h2_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr,
+    T, H, I, num_experts, rows_per_expert, stride_xt, stride_we, stride_wn, stride_se, stride_sg, stride_it,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+    HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
+    W_DESC: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """`_gate_up_gemv_kernel` with the packed-fp16 dot (`_h2_rows`); W_DESC: w_ptr is a TMA descriptor over all
+    experts' words as [E * Np, tiles, 16] (expert e's rows from e * rows_per_expert)."""
+    p = tl.program_id(0)
+    e = tl.load(ids_ptr + p)
+    if (e >= 0) & (e < num_experts):  # other ids select nothing; the combine skips their pairs
+        e64 = e.to(tl.int64)
+        first_row = tl.program_id(1) * BLOCK_N
+        rows = (first_row + tl.arange(0, BLOCK_N)).to(tl.int64)
+        n_ok = rows < I
+        w_src = w_ptr
+        if not W_DESC:
+            w_src = w_ptr + e64 * stride_we
+        w_row = e * rows_per_expert + first_row
+        gate, up = _h2_rows(x_ptr + (p // TOP_K).to(tl.int64) * stride_xt, w_src, s_ptr + e64 * stride_se,
+                            z_ptr + e64 * stride_se, rows, rows + I, w_row, w_row + I, n_ok, H, 0, tl.cdiv(H, 128),
+                            stride_wn, stride_sg, BLOCK_N, TILES, STAGES, True, HAS_ZERO, GROUP, X_SCALED, X_BCAST,
+                            W_DESC, MASK, EMULATE)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(inter_ptr + p.to(tl.int64) * stride_it + rows, act.to(inter_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _down_h2_kernel(
+    inter_ptr, w_ptr, s_ptr, z_ptr, pair_out_ptr, ids_ptr, topk_w_ptr,
+    T, H, I, num_experts, rows_per_expert, tiles_per_split, stride_it, stride_we, stride_wn, stride_se, stride_sg,
+    stride_pt, stride_split,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+    HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
+    W_DESC: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """`_down_gemv_kernel` with the packed-fp16 dot, split over K on grid axis 2: split s writes its fp32 partial
+    sums to pair_out[s] (the combine adds the splits)."""
+    p = tl.program_id(0)
+    e = tl.load(ids_ptr + p)
+    if (e >= 0) & (e < num_experts):
+        e64 = e.to(tl.int64)
+        first_row = tl.program_id(1) * BLOCK_N
+        rows = (first_row + tl.arange(0, BLOCK_N)).to(tl.int64)
+        n_ok = rows < H
+        w_src = w_ptr
+        if not W_DESC:
+            w_src = w_ptr + e64 * stride_we
+        split = tl.program_id(2)
+        acc, _ = _h2_rows(inter_ptr + p.to(tl.int64) * stride_it, w_src, s_ptr + e64 * stride_se,
+                          z_ptr + e64 * stride_se, rows, rows, e * rows_per_expert + first_row, 0, n_ok, I,
+                          split * tiles_per_split, tiles_per_split, stride_wn, stride_sg, BLOCK_N, TILES, STAGES,
+                          False, HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, EMULATE)
+        acc *= tl.load(topk_w_ptr + p).to(tl.float32)
+        tl.store(pair_out_ptr + split.to(tl.int64) * stride_split + p.to(tl.int64) * stride_pt + rows,
+                 acc.to(pair_out_ptr.dtype.element_ty), mask=n_ok)

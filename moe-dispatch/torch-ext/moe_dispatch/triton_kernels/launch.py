@@ -7,13 +7,14 @@ import os
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quantized import QuantizedExperts
-from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, GEMV_MAX_TOKENS, _for_dtype, _for_weights, default_config,
+from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, _for_dtype, _for_weights, default_config,
                       get_config)
 from .experts import (_combine_kernel, _down_decode_kernel, _down_grouped_kernel, _gate_up_decode_kernel,
                       _gate_up_grouped_kernel)
-from .gemv import _down_gemv_kernel, _gate_up_gemv_kernel
+from .gemv import _down_gemv_kernel, _down_h2_kernel, _gate_up_gemv_kernel, _gate_up_h2_kernel
 from .routing import _align_kernel, _histogram_kernel, _route_kernel
 from .tiles import SCALE_ON_ACC
 
@@ -111,6 +112,83 @@ def _gemv_format(fmt: dict) -> dict:
             "EMULATE": _interpreting()}
 
 
+def packed_gemv(w: QuantizedExperts, dtype: torch.dtype) -> bool:
+    """Whether 4-bit experts of this format run the packed-fp16 GEMVs with activations of `dtype`: int4 without
+    minima, in scale groups of >= 128 columns or per channel, 16-bit activations (fp16 products would not hold
+    fp32's precision); the rest run `_gate_up_gemv_kernel` / `_down_gemv_kernel`."""
+    return (w.codebook is None and w.mins is None and (w.group_size == -1 or w.group_size >= 128)
+            and dtype in (torch.float16, torch.bfloat16))
+
+
+def _words_arg(w: QuantizedExperts, plan: dict):
+    """The packed words as the kernel takes them: a pointer, or with plan["TMA"] a descriptor of [BLOCK_N, TILES,
+    16] boxes over all experts' rows ([E * Np, tiles, 16], host-encoded per launch: free under CUDA graphs)."""
+    q = w.qweight
+    if not plan.get("TMA", False):
+        return q
+    e, np_, words = q.shape
+    return TensorDescriptor(q, [e * np_, words // 16, 16], [words, 16, 1], [plan["BLOCK_N"], plan["TILES"], 16])
+
+
+def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExperts, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor, up: dict, down: dict) -> torch.Tensor:
+    """The two expert GEMVs of a few tokens (one program per (token, slot) pair and block of output rows); returns
+    the pairs' weighted outputs [P, H], or [splits, P, H] fp32 partial sums of a down GEMV split over K."""
+    T, H = x.shape
+    top_k = topk_ids.shape[1]
+    num_pairs, intermediate, num_routed = T * top_k, w_down.shape[1], w_down.num_experts
+    gu_ptrs, gu_strides, gu_format = _weight_args(w_gate_up)
+    dn_ptrs, dn_strides, dn_format = _weight_args(w_down)
+    # fp32 intermediate: the down GEMVs' x then needs no rounding before its own (exact or per-tile) conversion
+    inter = torch.empty(num_pairs, intermediate, dtype=torch.float32, device=x.device)
+    if packed_gemv(w_gate_up, x.dtype):
+        _gate_up_h2_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
+            x, _words_arg(w_gate_up, up), *gu_ptrs[:2], inter, topk_ids,
+            T, H, intermediate, num_routed, w_gate_up.padded_shape[0], x.stride(0), *gu_strides, inter.stride(0),
+            TOP_K=top_k, **_h2_flags(up, x.dtype, H, triton.cdiv(H, 128), gu_format),
+        )
+    else:
+        _gate_up_gemv_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
+            x, _words(w_gate_up), *gu_ptrs, inter, topk_ids,
+            T, H, intermediate, num_routed, x.stride(0), *gu_strides, inter.stride(0),
+            TOP_K=top_k, BLOCK_N=up["BLOCK_N"], TILES=up["TILES"], STAGES=up["num_stages"],
+            EVEN_K=H % (128 * up["TILES"]) == 0, num_warps=up["num_warps"], **_gemv_format(gu_format),
+        )
+    if not packed_gemv(w_down, x.dtype):
+        pair_out = torch.empty(num_pairs, H, dtype=x.dtype, device=x.device)
+        _down_gemv_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]))](
+            inter, _words(w_down), *dn_ptrs, pair_out, topk_ids, topk_weights,
+            T, H, intermediate, num_routed, inter.stride(0), *dn_strides, pair_out.stride(0),
+            BLOCK_N=down["BLOCK_N"], TILES=down["TILES"], STAGES=down["num_stages"],
+            EVEN_K=intermediate % (128 * down["TILES"]) == 0, num_warps=down["num_warps"],
+            **_gemv_format(dn_format),
+        )
+        return pair_out
+    num_tiles = triton.cdiv(intermediate, 128)
+    per_split = triton.cdiv(triton.cdiv(num_tiles, down.get("SPLIT_K", 1)), down["TILES"]) * down["TILES"]
+    splits = triton.cdiv(num_tiles, per_split)
+    # one split writes the pairs' outputs in the activations' dtype; more write fp32 partials the combine adds
+    pair_out = (torch.empty(num_pairs, H, dtype=x.dtype, device=x.device) if splits == 1 else
+                torch.empty(splits, num_pairs, H, dtype=torch.float32, device=x.device))
+    _down_h2_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]), splits)](
+        inter, _words_arg(w_down, down), *dn_ptrs[:2], pair_out, topk_ids, topk_weights,
+        T, H, intermediate, num_routed, w_down.padded_shape[0], per_split, inter.stride(0), *dn_strides,
+        pair_out.stride(-2), pair_out.stride(0) if splits > 1 else 0,
+        **_h2_flags(down, inter.dtype, intermediate, per_split, dn_format),
+    )
+    return pair_out
+
+
+def _h2_flags(plan: dict, x_dtype: torch.dtype, k: int, per_split: int, fmt: dict) -> dict:
+    """The launch constexprs of a packed-fp16 GEMV: the plan's block sizes, the format, the x conversion and
+    whether a loop step reaches past K or the last tile (MASK)."""
+    return dict(BLOCK_N=plan["BLOCK_N"], TILES=plan["TILES"], STAGES=plan["num_stages"],
+                HAS_ZERO=fmt["HAS_ZERO"], GROUP=fmt["GROUP"], X_SCALED=x_dtype != torch.float16,
+                X_BCAST=bool(plan.get("X_BCAST", False)), W_DESC=bool(plan.get("TMA", False)),
+                MASK=k % 128 != 0 or per_split % plan["TILES"] != 0 or triton.cdiv(k, 128) % per_split != 0,
+                EMULATE=_interpreting(), num_warps=plan["num_warps"])
+
+
 def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
             topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, *,
             shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
@@ -133,7 +211,8 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
     if T == 0:
         return out
     if config is None:  # the tuned tables were measured with 16-bit weights: 4-bit experts take the heuristic
-        config = (default_config(T, num_routed, H, intermediate, top_k, hidden_states.device, quantized=True) if quant
+        config = (default_config(T, num_routed, H, intermediate, top_k, hidden_states.device, quantized=True,
+                                 packed=packed_gemv(w_down, hidden_states.dtype)) if quant
                   else get_config(T, num_routed, H, intermediate, top_k, hidden_states.dtype, hidden_states.device))
     config = _for_weights(config, quant) if quant else _for_dtype(config, hidden_states.dtype)
     up, down = config["gate_up"], config["down"]
@@ -147,23 +226,8 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
     device = hidden_states.device
     pair_out = torch.empty(num_pairs, H, dtype=hidden_states.dtype, device=device)
     with _device_guard(hidden_states):
-        if quant and T <= GEMV_MAX_TOKENS:
-            # fp32 intermediate: the down GEMV's x then needs no conversion per weight (each thread holds one row
-            # of its words, so an x conversion is not shared between rows)
-            inter = torch.empty(num_pairs, intermediate, dtype=torch.float32, device=device)
-            _gate_up_gemv_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
-                hidden_states, _words(w_gate_up), *gu_ptrs, inter, topk_ids,
-                T, H, intermediate, num_routed, hidden_states.stride(0), *gu_strides, inter.stride(0),
-                TOP_K=top_k, BLOCK_N=up["BLOCK_N"], TILES=up["TILES"], STAGES=up["num_stages"],
-                EVEN_K=H % (128 * up["TILES"]) == 0, num_warps=up["num_warps"], **_gemv_format(gu_format),
-            )
-            _down_gemv_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]))](
-                inter, _words(w_down), *dn_ptrs, pair_out, topk_ids, topk_weights,
-                T, H, intermediate, num_routed, inter.stride(0), *dn_strides, pair_out.stride(0),
-                BLOCK_N=down["BLOCK_N"], TILES=down["TILES"], STAGES=down["num_stages"],
-                EVEN_K=intermediate % (128 * down["TILES"]) == 0, num_warps=down["num_warps"],
-                **_gemv_format(dn_format),
-            )
+        if quant and config.get("GEMV", False):
+            pair_out = _gemvs(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, up, down)
         elif T <= DECODE_MAX_TOKENS:
             common.update(TOP_K=top_k, BLOCK_T=16, BLOCK_P=triton.next_power_of_2(num_pairs),
                           K_POW2=triton.next_power_of_2(top_k))
@@ -217,9 +281,10 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                 num_stages=down["num_stages"], **common, **dn_format,
             )
         block_h = min(1024, triton.next_power_of_2(H))
+        splits = pair_out.shape[0] if pair_out.dim() == 3 else 1
         _combine_kernel[(T, triton.cdiv(H, block_h))](
-            pair_out, topk_ids, out, H, num_experts, pair_out.stride(0), out.stride(0),
-            TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+            pair_out, topk_ids, out, H, num_experts, pair_out.stride(-2), out.stride(0), pair_out.stride(0),
+            TOP_K=top_k, SPLITS=splits, BLOCK_H=block_h, num_warps=4,
         )
     return out
 
