@@ -244,13 +244,18 @@ PACKED_PLANS = {
     "tma-split": {"BLOCK_N": 16, "TILES": 1, "num_warps": 2, "num_stages": 3, "X_BCAST": True, "TMA": True,
                   "SPLIT_K": 2},
     "tma-wide": {"BLOCK_N": 32, "TILES": 4, "num_warps": 4, "num_stages": 2, "TMA": True, "SPLIT_K": 3},
+    # several row blocks per program in one ring (the last program's blocks reach past N)
+    "tma-units": {"BLOCK_N": 16, "TILES": 2, "UNITS": 3, "num_warps": 2, "num_stages": 3, "X_BCAST": True,
+                  "TMA": True, "SPLIT_K": 2},
+    "plain-units": {"BLOCK_N": 8, "TILES": 2, "UNITS": "auto", "CTAS": 1, "num_warps": 4, "num_stages": 1},
 }
 
 
 @pytest.mark.parametrize("plan,fmt_name,dtype", [
     ("plain", "int4-sym-g128", torch.bfloat16), ("bcast-ring", "int4-zp-g128", torch.float16),
     ("tma-split", "int4-zp-channel", torch.bfloat16), ("tma-wide", "int4-sym-g128", torch.bfloat16),
-    ("tma-split", "int4-zp-g128", torch.float16), ("bcast-ring", "int4-zp-channel", torch.bfloat16)])
+    ("tma-split", "int4-zp-g128", torch.float16), ("bcast-ring", "int4-zp-channel", torch.bfloat16),
+    ("tma-units", "int4-zp-channel", torch.float16), ("plain-units", "int4-zp-g128", torch.bfloat16)])
 def test_packed_gemv_plans(k, monkeypatch, plan, fmt_name, dtype):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     zero_point, group_size = {"int4-sym-g128": (False, 128), "int4-zp-g128": (True, 128),

@@ -149,27 +149,31 @@ def tune(tk, names) -> list[dict]:
     return results
 
 
-def _packed(n, tiles, warps, stages, bcast=True, tma=True, split=1) -> dict:
-    plan = {"BLOCK_N": n, "BLOCK_K": 128, "TILES": tiles, "num_warps": warps, "num_stages": stages, "X_BCAST": bcast,
-            "TMA": tma}
+def _packed(n, tiles, warps, stages, units=1, tma=True, split=1, ctas=None) -> dict:
+    plan = {"BLOCK_N": n, "BLOCK_K": 128, "TILES": tiles, "num_warps": warps, "num_stages": stages, "X_BCAST": True,
+            "TMA": tma, "UNITS": units}
+    if ctas:
+        plan["CTAS"] = ctas
     return {**plan, "SPLIT_K": split} if split > 1 else plan
 
 
 PACKED = {  # 4-bit experts' packed-fp16 GEMV candidates (either kernel; SPLIT_K only for the down GEMV)
-    "16x8-tma3-w2": _packed(16, 8, 2, 3), "16x8-tma3-w4": _packed(16, 8, 4, 3), "16x4-tma4-w2": _packed(16, 4, 2, 4),
-    "8x8-tma3-w2": _packed(8, 8, 2, 3), "32x4-tma3-w4": _packed(32, 4, 4, 3), "16x8-tma2-w2": _packed(16, 8, 2, 2),
-    "16x8-cp3-w2": _packed(16, 8, 2, 3, tma=False), "8x8-plain-w4": _packed(8, 8, 4, 1, bcast=False, tma=False),
-    "8x16-plain-w4": _packed(8, 16, 4, 1, bcast=False, tma=False),
-    "16x8-tma3-w2-split2": _packed(16, 8, 2, 3, split=2), "16x8-tma3-w2-split4": _packed(16, 8, 2, 3, split=4),
-    "8x8-plain-w4-split2": _packed(8, 8, 4, 1, bcast=False, tma=False, split=2),
+    "16x8-tma3-w2": _packed(16, 8, 2, 3), "16x8-tma3-w2-u2": _packed(16, 8, 2, 3, 2),
+    "16x8-tma3-w2-u4": _packed(16, 8, 2, 3, 4), "16x8-tma3-w2-u8": _packed(16, 8, 2, 3, 8),
+    "16x8-tma3-w2-auto5": _packed(16, 8, 2, 3, "auto", ctas=5),
+    "16x8-tma3-w2-auto8": _packed(16, 8, 2, 3, "auto", ctas=8),
+    "16x8-tma2-w2": _packed(16, 8, 2, 2), "16x8-tma2-w2-auto5": _packed(16, 8, 2, 2, "auto", ctas=5),
+    "16x4-tma4-w2-auto5": _packed(16, 4, 2, 4, "auto", ctas=5),
+    "16x8-cp3-w2-auto5": _packed(16, 8, 2, 3, "auto", tma=False, ctas=5),
+    "16x8-tma3-w2-split2-auto5": _packed(16, 8, 2, 3, "auto", split=2, ctas=5),
 }
 
 
-def gemv_4bit(tk, k, names, tokens, candidates) -> list[dict]:
+def gemv_4bit(tk, k, names, tokens, candidates, progress=None) -> list[dict]:
     """4-bit experts (int4 g128, bf16 activations) at GEMV token counts: each candidate of the gate/up GEMV with
     the heuristic's down, then each down candidate with the fastest gate/up, and the kernels the same T runs
     without the packed GEMVs; `experts` only (no router), timed as the benchmark times moe_forward, every
-    candidate's output checked against the per-expert loop first."""
+    candidate's output checked against the per-expert loop first. `progress(results)` after each (model, T)."""
     from .moe_dispatch import QUANT_FORMATS, QUANT_MAX_COPIES, QuantCase, make_quantized_layers, quant_expert_bytes
     from ..measure import measure_copy_bandwidth, rotation_count
 
@@ -218,6 +222,8 @@ def gemv_4bit(tk, k, names, tokens, candidates) -> list[dict]:
                     print(f"{name} T={T} {kernel} {cand}: {timed[-1][0] * 1e6:.1f} us "
                           f"(bound {results[-1]['bound'] * 1e6:.1f})", flush=True)
                 config = min(timed, key=lambda tc: tc[0])[1]
+            if progress:
+                progress(results)
             del case
         del layers
         torch.cuda.empty_cache()
@@ -273,9 +279,13 @@ def main() -> None:
     tk = k.ops.triton_kernels
     env = environment()
     if args.gemv_4bit is not None:
-        results = gemv_4bit(tk, k, args.models, args.gemv_4bit or [1], PACKED)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gemv-4bit-results.json").write_text(json.dumps({"env": env, "rows": results}, indent=1) + "\n")
+        path = args.out / "gemv-4bit-results.json"
+
+        def write(results):
+            path.write_text(json.dumps({"env": env, "rows": results}, indent=1) + "\n")
+
+        write(gemv_4bit(tk, k, args.models, args.gemv_4bit or [1], PACKED, progress=write))
         return
     if args.configs_from:  # the file holds times only: the measuring run's versions are not known here
         write_configs(tk, json.loads(args.configs_from.read_text()), args.out / "configs", args.device,
