@@ -181,9 +181,9 @@ def quantized_reference(k, x, q_gate_up, q_down, weights, ids):
     return experts_float64(x, dequantized64(k, q_gate_up), dequantized64(k, q_down), weights, ids)
 
 
-# T <= 4: the GEMV kernels (the packed-fp16 ones up to T = 16 for int4 in groups of >= 128 or per channel with
-# 16-bit activations); T <= 16: the decode kernels; larger T: sort + grouped kernels (all with the dequantization
-# in the K loop)
+# T <= 4: the GEMV kernels (the packed-fp16 ones for int4 in groups of >= 128 or per channel with 16-bit
+# activations up to T = 16 while pairs are at most 2.5 per expert); T <= 16: the decode kernels; larger T: sort +
+# grouped kernels (all with the dequantization in the K loop)
 CASES = [
     # (format, T, E, top_k, routing kind, dtype)
     ("int4-zp-g64", 2, 6, 3, "empty", torch.float16),
@@ -244,18 +244,13 @@ PACKED_PLANS = {
     "tma-split": {"BLOCK_N": 16, "TILES": 1, "num_warps": 2, "num_stages": 3, "X_BCAST": True, "TMA": True,
                   "SPLIT_K": 2},
     "tma-wide": {"BLOCK_N": 32, "TILES": 4, "num_warps": 4, "num_stages": 2, "TMA": True, "SPLIT_K": 3},
-    # several row blocks per program in one ring (the last program's blocks reach past N)
-    "tma-units": {"BLOCK_N": 16, "TILES": 2, "UNITS": 3, "num_warps": 2, "num_stages": 3, "X_BCAST": True,
-                  "TMA": True, "SPLIT_K": 2},
-    "plain-units": {"BLOCK_N": 8, "TILES": 2, "UNITS": "auto", "CTAS": 1, "num_warps": 4, "num_stages": 1},
 }
 
 
 @pytest.mark.parametrize("plan,fmt_name,dtype", [
     ("plain", "int4-sym-g128", torch.bfloat16), ("bcast-ring", "int4-zp-g128", torch.float16),
     ("tma-split", "int4-zp-channel", torch.bfloat16), ("tma-wide", "int4-sym-g128", torch.bfloat16),
-    ("tma-split", "int4-zp-g128", torch.float16), ("bcast-ring", "int4-zp-channel", torch.bfloat16),
-    ("tma-units", "int4-zp-channel", torch.float16), ("plain-units", "int4-zp-g128", torch.bfloat16)])
+    ("tma-split", "int4-zp-g128", torch.float16), ("bcast-ring", "int4-zp-channel", torch.bfloat16)])
 def test_packed_gemv_plans(k, monkeypatch, plan, fmt_name, dtype):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     zero_point, group_size = {"int4-sym-g128": (False, 128), "int4-zp-g128": (True, 128),
@@ -272,6 +267,18 @@ def test_packed_gemv_plans(k, monkeypatch, plan, fmt_name, dtype):
                                  config={"GEMV": True, "gate_up": PACKED_PLANS[plan], "down": PACKED_PLANS[plan]})
     kept = weights * (ids < E)
     assert_close(out, quantized_reference(k, x, q_gate_up, q_down, kept, ids.clamp(max=E - 1)), dtype)
+
+
+def test_packed_gemv_cut(k):
+    """The packed GEMVs take T <= 16 while (token, slot) pairs are at most 2.5 per expert (each pair streams its
+    expert); past that the tl.dot decode kernels, which stream each picked expert once."""
+    tk, cpu = k.ops.triton_kernels, torch.device("cpu")
+    mixtral, deepseek = (8, 4096, 14336, 2), (256, 7168, 2048, 8)
+    assert tk.default_config(8, *mixtral[:3], mixtral[3], cpu, quantized=True, packed=True)["GEMV"]
+    assert "GEMV" not in tk.default_config(16, *mixtral[:3], mixtral[3], cpu, quantized=True, packed=True)
+    assert tk.default_config(16, *deepseek[:3], deepseek[3], cpu, quantized=True, packed=True)["GEMV"]
+    assert "GEMV" not in tk.default_config(17, *deepseek[:3], deepseek[3], cpu, quantized=True, packed=True)
+    assert "GEMV" not in tk.default_config(8, *deepseek[:3], deepseek[3], cpu, quantized=True)  # fp32 GEMV: T <= 4
 
 
 def test_sentinel_ids_with_allow_sentinel(k, path):

@@ -83,11 +83,6 @@ PACKED_PLANS = {  # the packed-fp16 GEMVs' launch plans (pointer loads / TMA, x 
                    "TMA": True, "SPLIT_K": 3},
     "cp-async": {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 4, "num_warps": 2, "num_stages": 3, "X_BCAST": True},
     "plain": {"BLOCK_N": 8, "BLOCK_K": 128, "TILES": 8, "num_warps": 4, "num_stages": 1, "SPLIT_K": 2},
-    # several row blocks per program in one ring: 3 (the last program's reach past H), or "auto" (1 per SM)
-    "tma-units": {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 4, "num_warps": 2, "num_stages": 3, "X_BCAST": True,
-                  "TMA": True, "UNITS": 3},
-    "cp-units-auto": {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 8, "num_warps": 2, "num_stages": 3, "X_BCAST": True,
-                      "UNITS": "auto", "CTAS": 1},
 }
 
 

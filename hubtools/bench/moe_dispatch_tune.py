@@ -149,23 +149,17 @@ def tune(tk, names) -> list[dict]:
     return results
 
 
-def _packed(n, tiles, warps, stages, units=1, tma=True, split=1, ctas=None) -> dict:
-    plan = {"BLOCK_N": n, "BLOCK_K": 128, "TILES": tiles, "num_warps": warps, "num_stages": stages, "X_BCAST": True,
-            "TMA": tma, "UNITS": units}
-    if ctas:
-        plan["CTAS"] = ctas
+def _packed(n, tiles, warps, stages, bcast=True, tma=True, split=1) -> dict:
+    plan = {"BLOCK_N": n, "BLOCK_K": 128, "TILES": tiles, "num_warps": warps, "num_stages": stages, "X_BCAST": bcast,
+            "TMA": tma}
     return {**plan, "SPLIT_K": split} if split > 1 else plan
 
 
 PACKED = {  # 4-bit experts' packed-fp16 GEMV candidates (either kernel; SPLIT_K only for the down GEMV)
-    "16x8-tma3-w2": _packed(16, 8, 2, 3), "16x8-tma3-w2-u2": _packed(16, 8, 2, 3, 2),
-    "16x8-tma3-w2-u4": _packed(16, 8, 2, 3, 4), "16x8-tma3-w2-u8": _packed(16, 8, 2, 3, 8),
-    "16x8-tma3-w2-auto5": _packed(16, 8, 2, 3, "auto", ctas=5),
-    "16x8-tma3-w2-auto8": _packed(16, 8, 2, 3, "auto", ctas=8),
-    "16x8-tma2-w2": _packed(16, 8, 2, 2), "16x8-tma2-w2-auto5": _packed(16, 8, 2, 2, "auto", ctas=5),
-    "16x4-tma4-w2-auto5": _packed(16, 4, 2, 4, "auto", ctas=5),
-    "16x8-cp3-w2-auto5": _packed(16, 8, 2, 3, "auto", tma=False, ctas=5),
-    "16x8-tma3-w2-split2-auto5": _packed(16, 8, 2, 3, "auto", split=2, ctas=5),
+    "16x8-tma3-w2": _packed(16, 8, 2, 3), "16x8-tma3-w4": _packed(16, 8, 4, 3), "16x4-tma4-w2": _packed(16, 4, 2, 4),
+    "8x8-tma3-w2": _packed(8, 8, 2, 3), "32x4-tma3-w4": _packed(32, 4, 4, 3), "16x8-tma2-w2": _packed(16, 8, 2, 2),
+    "16x8-cp3-w2": _packed(16, 8, 2, 3, tma=False), "8x8-plain-w4": _packed(8, 8, 4, 1, bcast=False, tma=False),
+    "16x8-tma3-w2-split2": _packed(16, 8, 2, 3, split=2),
 }
 
 

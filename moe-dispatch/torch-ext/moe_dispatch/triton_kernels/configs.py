@@ -74,14 +74,18 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
                    device: torch.device, quantized: bool = False, packed: bool = False) -> dict:
     """Heuristic block sizes when no tuned config exists for the shape (`quantized`: 4-bit experts, whose
     BLOCK_K is the packed tile; `_for_weights`; `packed`: of a format the packed-fp16 GEMVs take)."""
-    if packed and tokens <= PACKED_GEMV_MAX_TOKENS:
-        # 16 rows by 8 tiles, x broadcast over the rows, a 3-stage TMA ring, 2 warps: the fastest of 12 candidates
-        # or within 4 % of it for both GEMVs of Mixtral, DeepSeek-V3 and Qwen3-30B-A3B at T = 1 and 4 (run 49,
-        # docs/design/moe-dispatch.md); split-K never helped
-        plan = {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 8, "num_warps": 2, "num_stages": 3, "X_BCAST": True,
-                "TMA": True}
-        return {"GEMV": True, "gate_up": plan, "down": plan}
-    if quantized and tokens <= GEMV_MAX_TOKENS:
+    if packed:
+        # Each (token, slot) pair streams its expert, so the GEMVs pay for experts picked by several pairs: against
+        # the tl.dot decode kernels they won at up to 2 pairs per expert and lost at 4 (run 50: Mixtral T = 8 / 16
+        # 1.25x / 0.68x; DeepSeek-V3 and Qwen3-30B-A3B, 0.5-1 pairs per expert at T = 16, 1.7x / 1.2x).
+        if tokens <= PACKED_GEMV_MAX_TOKENS and 2 * tokens * top_k <= 5 * num_experts:
+            # 16 rows by 8 tiles, x broadcast over the rows, a 3-stage TMA ring, 2 warps: the fastest of 12
+            # candidates or within 4 % of it for both GEMVs of those three models at T = 1 and 4 (run 49,
+            # docs/design/moe-dispatch.md); split-K never helped
+            plan = {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 8, "num_warps": 2, "num_stages": 3, "X_BCAST": True,
+                    "TMA": True}
+            return {"GEMV": True, "gate_up": plan, "down": plan}
+    elif quantized and tokens <= GEMV_MAX_TOKENS:
         # The best of a sweep on the H200 (BLOCK_N 8-32, TILES 2-4, 1 or 3 stages; Mixtral, DeepSeek-V3, Qwen3-30B
         # at T=1, docs/design/moe-dispatch.md): every config within ~6 % of these, so the kernels are bound by
         # their instructions, not by the block sizes

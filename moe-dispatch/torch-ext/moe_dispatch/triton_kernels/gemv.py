@@ -309,70 +309,65 @@ def _x_pair(x_row, k0, K, scale, J: tl.constexpr, X_SCALED: tl.constexpr, MASK: 
 
 
 @triton.jit
-def _h2_tile_params(s_base, z_base, tile, rows, n_ok, live, stride_sg, HAS_ZERO: tl.constexpr,
-                    GROUP: tl.constexpr):
-    """[BLOCK_N, TILES] fp32 scales of a [BLOCK_N, TILES, 16] word tile and its zero-point pairs (symmetric: the
-    constant pairs of zero 8); per channel (GROUP -1) the scale is 1 here: the caller scales after the K loop."""
-    ok = n_ok[:, None] & live[None, :]
+def _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr):
+    """[BLOCK_N, TILES] fp32 scales of the word tile and its zero-point pairs (symmetric: the constant pairs);
+    per channel (GROUP -1) scale 1 here: the caller scales after the K loop."""
     if GROUP == -1:
         s = tl.full(ok.shape, 1.0, tl.float32)
+        zlo, zhi = 0, 0
     else:
         offs = (tile // (GROUP // 128))[None, :].to(tl.int64) * stride_sg + rows[:, None]
         s = tl.load(s_base + offs, mask=ok, other=0.0).to(tl.float32)
-    shape: tl.constexpr = [ok.shape[0], ok.shape[1], 16]
-    if HAS_ZERO:
-        if GROUP == -1:  # one zero point per row, for all of K
-            zero = tl.load(z_base + rows, mask=n_ok, other=0).to(tl.float32)[:, None, None]
+        if HAS_ZERO:
+            zero = tl.load(z_base + offs, mask=ok, other=0).to(tl.float32)
+            zlo, zhi = _h2_zero_pairs(zero[:, :, None] + tl.zeros([ok.shape[0], ok.shape[1], 16], dtype=tl.float32))
         else:
-            zero = tl.load(z_base + offs, mask=ok, other=0).to(tl.float32)[:, :, None]
-        zlo, zhi = _h2_zero_pairs(zero + tl.zeros(shape, dtype=tl.float32))
-    else:
-        zlo = tl.full(shape, _ZLO_SYM, tl.int32)
-        zhi = tl.full(shape, _ZHI_SYM, tl.int32)
+            zlo, zhi = 0, 0
     return s, zlo, zhi
 
 
 @triton.jit
-def _h2_gemv(x_row, w_src, s_base, z_base, out_base, out_scale, first_row, w_row0, units, N, K, first, per_split,
-             stride_qn, stride_sg, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, SWIGLU: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
-             X_SCALED: tl.constexpr, X_BCAST: tl.constexpr, W_DESC: tl.constexpr, MASK: tl.constexpr,
-             EMULATE: tl.constexpr):
-    """`units` consecutive blocks of BLOCK_N output rows from `first_row`: the fp32 dot products of x_row with the
-    block's weight rows over K-tiles [first, first + per_split) by `_H2_ASM`, stored to out_base + row (rows
-    below N) as out_scale times the sum, or with SWIGLU silu(gate) * up of gate rows `row` and up rows `row + N`
-    (read in the same loop).
+def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K, first, per_split, stride_qn,
+             stride_sg, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
+             HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
+             W_DESC: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 [BLOCK_N] dot products of x_row with weight rows `rows` over K-tiles [first, first + per_split), by
+    `_H2_ASM`; TWO: also rows `rows_b` in the same loop (the up rows of a gate / up pair).
 
-    The blocks run back to back in one loop of units * per_split / TILES steps, so the words stream through the
-    `num_stages` ring (STAGES > 1: cp.async copies of pointer loads, or with W_DESC TMA boxes of
-    [BLOCK_N, TILES, 16] from the descriptor `w_src`, rows from descriptor row `w_row0`; boxes past the last tile
-    read as zeros) without a refill per block, and a block's reduction overlaps the next block's loads. X_BCAST:
-    x as [1, TILES, 16], broadcast over the rows in the dot (a thread holds all BLOCK_N rows of its word positions
-    and loads each x once); else x in the weight tile's shape. MASK: some step reaches past K or the last tile."""
+    The words come through a `num_stages` ring (STAGES > 1: cp.async copies of pointer loads, or with W_DESC TMA
+    boxes of [BLOCK_N, TILES, 16] from the descriptor `w_src` at descriptor rows `w_row` / `w_row_b`; boxes past
+    the last tile read as zeros). X_BCAST: x as [1, TILES, 16], broadcast over the rows in the dot (a thread then
+    holds all BLOCK_N rows of its word positions and loads each x once); else x in the weight tile's shape.
+    MASK: some loop step reaches past K or past the last tile."""
     num_tiles = tl.cdiv(K, 128)
-    steps = per_split // TILES
     tile_ar = tl.arange(0, TILES)
     col = tl.arange(0, _WORDS)
-    block_ar = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
-    for step in tl.range(0, units * steps, num_stages=STAGES):
-        unit_row = first_row + (step // steps) * BLOCK_N
-        it = (step % steps) * TILES
-        rows = (unit_row + block_ar).to(tl.int64)
-        n_ok = rows < N
+    zlo = tl.full([BLOCK_N, TILES, _WORDS], _ZLO_SYM, tl.int32)
+    zhi = tl.full([BLOCK_N, TILES, _WORDS], _ZHI_SYM, tl.int32)
+    zlo_b, zhi_b = zlo, zhi
+    if GROUP == -1 and HAS_ZERO:  # one zero point per row, for all of K
+        zlo, zhi = _h2_zero_pairs(tl.load(z_base + rows, mask=n_ok, other=0).to(tl.float32)[:, None, None] + acc)
+        if TWO:
+            zlo_b, zhi_b = _h2_zero_pairs(tl.load(z_base + rows_b, mask=n_ok, other=0).to(tl.float32)[:, None, None]
+                                          + acc)
+    if not W_DESC:
+        w_ptrs = w_src + rows[:, None, None] * stride_qn + col[None, None, :]
+        w_ptrs_b = w_src + rows_b[:, None, None] * stride_qn + col[None, None, :]
+    for it in tl.range(0, per_split, TILES, num_stages=STAGES):
         tile = first + it + tile_ar
         live = tile < num_tiles
         ok = n_ok[:, None] & live[None, :]
         if W_DESC:
-            w = w_src.load([w_row0 + unit_row - first_row, first + it, 0])
-            if SWIGLU:
-                w_b = w_src.load([w_row0 + unit_row - first_row + N, first + it, 0])
+            w = w_src.load([w_row, first + it, 0])
+            if TWO:
+                w_b = w_src.load([w_row_b, first + it, 0])
         else:
-            offs = rows[:, None, None] * stride_qn + (tile[None, :, None] * _WORDS + col[None, None, :])
-            w = tl.load(w_src + offs, mask=ok[:, :, None], other=0, eviction_policy="evict_first")
-            if SWIGLU:
-                w_b = tl.load(w_src + N * stride_qn + offs, mask=ok[:, :, None], other=0,
-                              eviction_policy="evict_first")
+            offs = tile[None, :, None] * _WORDS
+            w = tl.load(w_ptrs + offs, mask=ok[:, :, None], other=0, eviction_policy="evict_first")
+            if TWO:
+                w_b = tl.load(w_ptrs_b + offs, mask=ok[:, :, None], other=0, eviction_policy="evict_first")
         k0 = tile[None, :, None] * 128 + col[None, None, :]
         if not X_BCAST:
             k0 = tl.broadcast_to(k0, (BLOCK_N, TILES, _WORDS))
@@ -383,78 +378,82 @@ def _h2_gemv(x_row, w_src, s_base, z_base, out_base, out_scale, first_row, w_row
         xp1 = _x_pair(x_row, k0, K, scale, 1, X_SCALED, MASK)
         xp2 = _x_pair(x_row, k0, K, scale, 2, X_SCALED, MASK)
         xp3 = _x_pair(x_row, k0, K, scale, 3, X_SCALED, MASK)
-        s, zlo, zhi = _h2_tile_params(s_base, z_base, tile, rows, n_ok, live, stride_sg, HAS_ZERO, GROUP)
+        s, z_lo, z_hi = _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO, GROUP)
+        if GROUP != -1 and HAS_ZERO:
+            zlo, zhi = z_lo, z_hi
         if X_SCALED:
             s = s / scale
         acc += _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE) * s[:, :, None]
-        if SWIGLU:
-            s_b, zlo_b, zhi_b = _h2_tile_params(s_base, z_base, tile, rows + N, n_ok, live, stride_sg, HAS_ZERO,
-                                                 GROUP)
+        if TWO:
+            s_b, z_lo, z_hi = _h2_tile_params(s_base, z_base, tile, rows_b, ok, stride_sg, HAS_ZERO, GROUP)
+            if GROUP != -1 and HAS_ZERO:
+                zlo_b, zhi_b = z_lo, z_hi
             if X_SCALED:
                 s_b = s_b / scale
             acc_b += _h2_word_dot(w_b, zlo_b, zhi_b, xp0, xp1, xp2, xp3, EMULATE) * s_b[:, :, None]
-        if it + TILES >= per_split:  # the block's last step: reduce, scale, store, start the next block
-            out = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
-            if GROUP == -1:  # per channel: one scale per row, applied once
-                out *= tl.load(s_base + rows, mask=n_ok, other=0.0).to(tl.float32)
-            if SWIGLU:
-                up = tl.sum(tl.sum(acc_b, axis=2), axis=1) * 16.0
-                if GROUP == -1:
-                    up *= tl.load(s_base + rows + N, mask=n_ok, other=0.0).to(tl.float32)
-                out = out / (1.0 + tl.exp(-out)) * up
-                acc_b = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
-            tl.store(out_base + rows, (out * out_scale).to(out_base.dtype.element_ty), mask=n_ok)
-            acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
+    out_b = tl.sum(tl.sum(acc_b, axis=2), axis=1) * 16.0
+    if GROUP == -1:  # per channel: one scale per row, applied once
+        out *= tl.load(s_base + rows, mask=n_ok, other=0.0).to(tl.float32)
+        out_b *= tl.load(s_base + rows_b, mask=n_ok, other=0.0).to(tl.float32)
+    return out, out_b
 
 
 @triton.jit(do_not_specialize=["T"])
 def _gate_up_h2_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr,
-    T, H, I, num_experts, rows_per_expert, units, stride_xt, stride_we, stride_wn, stride_se, stride_sg, stride_it,
+    T, H, I, num_experts, rows_per_expert, stride_xt, stride_we, stride_wn, stride_se, stride_sg, stride_it,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
     W_DESC: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """inter[p, n] = silu(gate) * up of pair p's token through its expert for `units` blocks of BLOCK_N rows n
-    (`_h2_gemv`); W_DESC: w_ptr is a TMA descriptor over all experts' words as [E * Np, tiles, 16] (expert e's
-    rows from e * rows_per_expert)."""
+    """`_gate_up_gemv_kernel` with the packed-fp16 dot (`_h2_rows`); W_DESC: w_ptr is a TMA descriptor over all
+    experts' words as [E * Np, tiles, 16] (expert e's rows from e * rows_per_expert)."""
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p)
     if (e >= 0) & (e < num_experts):  # other ids select nothing; the combine skips their pairs
         e64 = e.to(tl.int64)
-        first_row = tl.program_id(1) * units * BLOCK_N
+        first_row = tl.program_id(1) * BLOCK_N
+        rows = (first_row + tl.arange(0, BLOCK_N)).to(tl.int64)
+        n_ok = rows < I
         w_src = w_ptr
         if not W_DESC:
             w_src = w_ptr + e64 * stride_we
-        _h2_gemv(x_ptr + (p // TOP_K).to(tl.int64) * stride_xt, w_src, s_ptr + e64 * stride_se,
-                 z_ptr + e64 * stride_se, inter_ptr + p.to(tl.int64) * stride_it, 1.0, first_row,
-                 e * rows_per_expert + first_row, units, I, H, 0, tl.cdiv(H, 128 * TILES) * TILES, stride_wn,
-                 stride_sg, BLOCK_N, TILES, STAGES, True, HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, EMULATE)
+        w_row = e * rows_per_expert + first_row
+        gate, up = _h2_rows(x_ptr + (p // TOP_K).to(tl.int64) * stride_xt, w_src, s_ptr + e64 * stride_se,
+                            z_ptr + e64 * stride_se, rows, rows + I, w_row, w_row + I, n_ok, H, 0, tl.cdiv(H, 128),
+                            stride_wn, stride_sg, BLOCK_N, TILES, STAGES, True, HAS_ZERO, GROUP, X_SCALED, X_BCAST,
+                            W_DESC, MASK, EMULATE)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(inter_ptr + p.to(tl.int64) * stride_it + rows, act.to(inter_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _down_h2_kernel(
     inter_ptr, w_ptr, s_ptr, z_ptr, pair_out_ptr, ids_ptr, topk_w_ptr,
-    T, H, I, num_experts, rows_per_expert, units, tiles_per_split, stride_it, stride_we, stride_wn, stride_se,
-    stride_sg, stride_pt, stride_split,
+    T, H, I, num_experts, rows_per_expert, tiles_per_split, stride_it, stride_we, stride_wn, stride_se, stride_sg,
+    stride_pt, stride_split,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
     W_DESC: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """pair_out[s, p, n] = topk_weight[p] * (down projection of inter[p]) over split s of K (grid axis 2), for
-    `units` blocks of BLOCK_N rows n (`_h2_gemv`); one split writes the activations' dtype, more write fp32
-    partial sums that the combine adds."""
+    """`_down_gemv_kernel` with the packed-fp16 dot, split over K on grid axis 2: split s writes its fp32 partial
+    sums to pair_out[s] (the combine adds the splits)."""
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p)
     if (e >= 0) & (e < num_experts):
         e64 = e.to(tl.int64)
-        first_row = tl.program_id(1) * units * BLOCK_N
+        first_row = tl.program_id(1) * BLOCK_N
+        rows = (first_row + tl.arange(0, BLOCK_N)).to(tl.int64)
+        n_ok = rows < H
         w_src = w_ptr
         if not W_DESC:
             w_src = w_ptr + e64 * stride_we
         split = tl.program_id(2)
-        _h2_gemv(inter_ptr + p.to(tl.int64) * stride_it, w_src, s_ptr + e64 * stride_se, z_ptr + e64 * stride_se,
-                 pair_out_ptr + split.to(tl.int64) * stride_split + p.to(tl.int64) * stride_pt,
-                 tl.load(topk_w_ptr + p).to(tl.float32), first_row, e * rows_per_expert + first_row, units, H, I,
-                 split * tiles_per_split, tiles_per_split, stride_wn, stride_sg, BLOCK_N, TILES, STAGES,
-                 False, HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, EMULATE)
+        acc, _ = _h2_rows(inter_ptr + p.to(tl.int64) * stride_it, w_src, s_ptr + e64 * stride_se,
+                          z_ptr + e64 * stride_se, rows, rows, e * rows_per_expert + first_row, 0, n_ok, I,
+                          split * tiles_per_split, tiles_per_split, stride_wn, stride_sg, BLOCK_N, TILES, STAGES,
+                          False, HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, EMULATE)
+        acc *= tl.load(topk_w_ptr + p).to(tl.float32)
+        tl.store(pair_out_ptr + split.to(tl.int64) * stride_split + p.to(tl.int64) * stride_pt + rows,
+                 acc.to(pair_out_ptr.dtype.element_ty), mask=n_ok)

@@ -10,7 +10,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quantized import QuantizedExperts
-from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, _for_dtype, _for_weights, _sm_count, default_config,
+from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, _for_dtype, _for_weights, default_config,
                       get_config)
 from .experts import (_combine_kernel, _down_decode_kernel, _down_grouped_kernel, _gate_up_decode_kernel,
                       _gate_up_grouped_kernel)
@@ -142,11 +142,9 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     # fp32 intermediate: the down GEMVs' x then needs no rounding before its own (exact or per-tile) conversion
     inter = torch.empty(num_pairs, intermediate, dtype=torch.float32, device=x.device)
     if packed_gemv(w_gate_up, x.dtype):
-        units = _units(up, num_pairs, intermediate, x.device)
-        _gate_up_h2_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"] * units))](
+        _gate_up_h2_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
             x, _words_arg(w_gate_up, up), *gu_ptrs[:2], inter, topk_ids,
-            T, H, intermediate, num_routed, w_gate_up.padded_shape[0], units, x.stride(0), *gu_strides,
-            inter.stride(0),
+            T, H, intermediate, num_routed, w_gate_up.padded_shape[0], x.stride(0), *gu_strides, inter.stride(0),
             TOP_K=top_k, **_h2_flags(up, x.dtype, H, triton.cdiv(H, 128), gu_format),
         )
     else:
@@ -172,31 +170,20 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     # one split writes the pairs' outputs in the activations' dtype; more write fp32 partials the combine adds
     pair_out = (torch.empty(num_pairs, H, dtype=x.dtype, device=x.device) if splits == 1 else
                 torch.empty(splits, num_pairs, H, dtype=torch.float32, device=x.device))
-    units = _units(down, num_pairs * splits, H, x.device)
-    _down_h2_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"] * units), splits)](
+    _down_h2_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]), splits)](
         inter, _words_arg(w_down, down), *dn_ptrs[:2], pair_out, topk_ids, topk_weights,
-        T, H, intermediate, num_routed, w_down.padded_shape[0], units, per_split, inter.stride(0), *dn_strides,
+        T, H, intermediate, num_routed, w_down.padded_shape[0], per_split, inter.stride(0), *dn_strides,
         pair_out.stride(-2), pair_out.stride(0) if splits > 1 else 0,
         **_h2_flags(down, inter.dtype, intermediate, per_split, dn_format),
     )
     return pair_out
 
 
-def _units(plan: dict, programs_per_block: int, rows: int, device: torch.device) -> int:
-    """Row blocks per program of a packed GEMV: plan["UNITS"], or for "auto" as many as leave about
-    plan["CTAS"] programs per SM (one wave of equal programs, each streaming as long as it can)."""
-    units = plan.get("UNITS", 1)
-    if units == "auto":
-        blocks = programs_per_block * triton.cdiv(rows, plan["BLOCK_N"])
-        units = max(1, blocks // (plan.get("CTAS", 4) * _sm_count(device)))
-    return units
-
-
 def _h2_flags(plan: dict, x_dtype: torch.dtype, k: int, per_split: int, fmt: dict) -> dict:
     """The launch constexprs of a packed-fp16 GEMV: the plan's block sizes, the format, the x conversion and
     whether a loop step reaches past K or the last tile (MASK)."""
-    return dict(BLOCK_N=plan["BLOCK_N"], TILES=plan["TILES"], STAGES=plan["num_stages"], HAS_ZERO=fmt["HAS_ZERO"],
-                GROUP=fmt["GROUP"], X_SCALED=x_dtype != torch.float16,
+    return dict(BLOCK_N=plan["BLOCK_N"], TILES=plan["TILES"], STAGES=plan["num_stages"],
+                HAS_ZERO=fmt["HAS_ZERO"], GROUP=fmt["GROUP"], X_SCALED=x_dtype != torch.float16,
                 X_BCAST=bool(plan.get("X_BCAST", False)), W_DESC=bool(plan.get("TMA", False)),
                 MASK=k % 128 != 0 or per_split % plan["TILES"] != 0 or triton.cdiv(k, 128) % per_split != 0,
                 EMULATE=_interpreting(), num_warps=plan["num_warps"])
