@@ -149,14 +149,15 @@ def tune(tk, names) -> list[dict]:
     return results
 
 
-def _packed(n, tiles, warps, stages, bcast=True, tma=True, split=1) -> dict:
+def _packed(n, tiles, warps, stages, bcast=True, tma=True, split=1, pdl=True) -> dict:
     plan = {"BLOCK_N": n, "BLOCK_K": 128, "TILES": tiles, "num_warps": warps, "num_stages": stages, "X_BCAST": bcast,
-            "TMA": tma}
+            "TMA": tma, "PDL": pdl}
     return {**plan, "SPLIT_K": split} if split > 1 else plan
 
 
 PACKED = {  # 4-bit experts' packed-fp16 GEMV candidates (either kernel; SPLIT_K only for the down GEMV)
-    "16x8-tma3-w2": _packed(16, 8, 2, 3), "16x8-tma3-w4": _packed(16, 8, 4, 3), "16x4-tma4-w2": _packed(16, 4, 2, 4),
+    "16x8-tma3-w2": _packed(16, 8, 2, 3), "16x8-tma3-w2-nopdl": _packed(16, 8, 2, 3, pdl=False),
+    "16x8-tma3-w4": _packed(16, 8, 4, 3), "16x4-tma4-w2": _packed(16, 4, 2, 4),
     "8x8-tma3-w2": _packed(8, 8, 2, 3), "32x4-tma3-w4": _packed(32, 4, 4, 3), "16x8-tma2-w2": _packed(16, 8, 2, 2),
     "16x8-cp3-w2": _packed(16, 8, 2, 3, tma=False), "8x8-plain-w4": _packed(8, 8, 4, 1, bcast=False, tma=False),
     "16x8-tma3-w2-split2": _packed(16, 8, 2, 3, split=2),

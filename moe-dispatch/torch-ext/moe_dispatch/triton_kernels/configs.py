@@ -83,7 +83,7 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
             # candidates or within 4 % of it for both GEMVs of those three models at T = 1 and 4 (run 49,
             # docs/design/moe-dispatch.md); split-K never helped
             plan = {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 8, "num_warps": 2, "num_stages": 3, "X_BCAST": True,
-                    "TMA": True}
+                    "TMA": True, "PDL": True}
             return {"GEMV": True, "gate_up": plan, "down": plan}
     elif quantized and tokens <= GEMV_MAX_TOKENS:
         # The best of a sweep on the H200 (BLOCK_N 8-32, TILES 2-4, 1 or 3 stages; Mixtral, DeepSeek-V3, Qwen3-30B

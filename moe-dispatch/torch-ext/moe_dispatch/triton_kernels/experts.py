@@ -4,7 +4,8 @@ selected expert, T <= DECODE_MAX_TOKENS) and the combine over the top-k slots.""
 import triton
 import triton.language as tl
 
-from .tiles import _expert_weights, _matmul_tile, _matmul_tile_q, _quant_bases, _swiglu_tile, _swiglu_tile_q
+from .tiles import (_expert_weights, _matmul_tile, _matmul_tile_q, _pdl_wait, _quant_bases, _swiglu_tile,
+                    _swiglu_tile_q)
 
 
 @triton.jit
@@ -101,9 +102,11 @@ def _down_grouped_kernel(
 
 @triton.jit
 def _combine_kernel(pairs_ptr, ids_ptr, out_ptr, H, num_experts, stride_pt, stride_ot, stride_split,
-                    TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr):
+                    TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum over slots j, in slot order, of the weighted expert output of pair (t, j); SPLITS > 1: each
-    pair's output is that many partial sums (split-K down GEMV, `stride_split` apart), added in split order."""
+    pair's output is that many partial sums (split-K down GEMV, `stride_split` apart), added in split order.
+    PDL: launched as a programmatic dependent of the down kernel (`_pdl_wait`)."""
+    _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H

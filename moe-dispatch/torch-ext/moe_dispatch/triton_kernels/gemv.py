@@ -5,7 +5,7 @@ int4 in scale groups of >= 128 columns or per channel, 16-bit activations)."""
 import triton
 import triton.language as tl
 
-from .tiles import _MAGIC, _MAGIC_BITS, _WORDS, _quant_bases
+from .tiles import _MAGIC, _MAGIC_BITS, _WORDS, _pdl_launch_dependents, _pdl_wait, _quant_bases
 
 
 # The fp32 GEMVs (T <= GEMV_MAX_TOKENS): one program per (token, slot) pair and block of output rows, no
@@ -405,10 +405,12 @@ def _gate_up_h2_kernel(
     T, H, I, num_experts, rows_per_expert, stride_xt, stride_we, stride_wn, stride_se, stride_sg, stride_it,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
-    W_DESC: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr,
+    W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """`_gate_up_gemv_kernel` with the packed-fp16 dot (`_h2_rows`); W_DESC: w_ptr is a TMA descriptor over all
-    experts' words as [E * Np, tiles, 16] (expert e's rows from e * rows_per_expert)."""
+    experts' words as [E * Np, tiles, 16] (expert e's rows from e * rows_per_expert). PDL: launched as a
+    programmatic dependent of the routing (`_pdl_wait`), and lets the down GEMV launch once its K loop is done."""
+    _pdl_wait(PDL)
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p)
     if (e >= 0) & (e < num_experts):  # other ids select nothing; the combine skips their pairs
@@ -424,6 +426,7 @@ def _gate_up_h2_kernel(
                             z_ptr + e64 * stride_se, rows, rows + I, w_row, w_row + I, n_ok, H, 0, tl.cdiv(H, 128),
                             stride_wn, stride_sg, BLOCK_N, TILES, STAGES, True, HAS_ZERO, GROUP, X_SCALED, X_BCAST,
                             W_DESC, MASK, EMULATE)
+        _pdl_launch_dependents(PDL)
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(inter_ptr + p.to(tl.int64) * stride_it + rows, act.to(inter_ptr.dtype.element_ty), mask=n_ok)
 
@@ -435,10 +438,11 @@ def _down_h2_kernel(
     stride_pt, stride_split,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
-    W_DESC: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr,
+    W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """`_down_gemv_kernel` with the packed-fp16 dot, split over K on grid axis 2: split s writes its fp32 partial
-    sums to pair_out[s] (the combine adds the splits)."""
+    sums to pair_out[s] (the combine adds the splits). PDL as in `_gate_up_h2_kernel` (the combine after it)."""
+    _pdl_wait(PDL)
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p)
     if (e >= 0) & (e < num_experts):
@@ -454,6 +458,7 @@ def _down_h2_kernel(
                           z_ptr + e64 * stride_se, rows, rows, e * rows_per_expert + first_row, 0, n_ok, I,
                           split * tiles_per_split, tiles_per_split, stride_wn, stride_sg, BLOCK_N, TILES, STAGES,
                           False, HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, EMULATE)
+        _pdl_launch_dependents(PDL)
         acc *= tl.load(topk_w_ptr + p).to(tl.float32)
         tl.store(pair_out_ptr + split.to(tl.int64) * stride_split + p.to(tl.int64) * stride_pt + rows,
                  acc.to(pair_out_ptr.dtype.element_ty), mask=n_ok)

@@ -145,7 +145,7 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
         _gate_up_h2_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
             x, _words_arg(w_gate_up, up), *gu_ptrs[:2], inter, topk_ids,
             T, H, intermediate, num_routed, w_gate_up.padded_shape[0], x.stride(0), *gu_strides, inter.stride(0),
-            TOP_K=top_k, **_h2_flags(up, x.dtype, H, triton.cdiv(H, 128), gu_format),
+            TOP_K=top_k, **_h2_flags(up, x.dtype, H, triton.cdiv(H, 128), gu_format, x.device),
         )
     else:
         _gate_up_gemv_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
@@ -174,15 +174,23 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
         inter, _words_arg(w_down, down), *dn_ptrs[:2], pair_out, topk_ids, topk_weights,
         T, H, intermediate, num_routed, w_down.padded_shape[0], per_split, inter.stride(0), *dn_strides,
         pair_out.stride(-2), pair_out.stride(0) if splits > 1 else 0,
-        **_h2_flags(down, inter.dtype, intermediate, per_split, dn_format),
+        **_h2_flags(down, inter.dtype, intermediate, per_split, dn_format, x.device),
     )
     return pair_out
 
 
-def _h2_flags(plan: dict, x_dtype: torch.dtype, k: int, per_split: int, fmt: dict) -> dict:
-    """The launch constexprs of a packed-fp16 GEMV: the plan's block sizes, the format, the x conversion and
-    whether a loop step reaches past K or the last tile (MASK)."""
-    return dict(BLOCK_N=plan["BLOCK_N"], TILES=plan["TILES"], STAGES=plan["num_stages"],
+def _pdl(plan: dict, device: torch.device) -> bool:
+    """Whether a kernel of this plan launches as a programmatic dependent of the one before (plan["PDL"]; CUDA
+    sm_90+, not the interpreter)."""
+    return (bool(plan.get("PDL", False)) and device.type == "cuda" and not _interpreting()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _h2_flags(plan: dict, x_dtype: torch.dtype, k: int, per_split: int, fmt: dict, device: torch.device) -> dict:
+    """The launch options of a packed-fp16 GEMV: the plan's block sizes, the format, the x conversion, whether a
+    loop step reaches past K or the last tile (MASK), programmatic dependent launch."""
+    pdl = _pdl(plan, device)
+    return dict(PDL=pdl, launch_pdl=pdl, BLOCK_N=plan["BLOCK_N"], TILES=plan["TILES"], STAGES=plan["num_stages"],
                 HAS_ZERO=fmt["HAS_ZERO"], GROUP=fmt["GROUP"], X_SCALED=x_dtype != torch.float16,
                 X_BCAST=bool(plan.get("X_BCAST", False)), W_DESC=bool(plan.get("TMA", False)),
                 MASK=k % 128 != 0 or per_split % plan["TILES"] != 0 or triton.cdiv(k, 128) % per_split != 0,
@@ -282,9 +290,10 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
             )
         block_h = min(1024, triton.next_power_of_2(H))
         splits = pair_out.shape[0] if pair_out.dim() == 3 else 1
+        pdl = quant and config.get("GEMV", False) and _pdl(down, device)  # after a down GEMV that lets it
         _combine_kernel[(T, triton.cdiv(H, block_h))](
             pair_out, topk_ids, out, H, num_experts, pair_out.stride(-2), out.stride(0), pair_out.stride(0),
-            TOP_K=top_k, SPLITS=splits, BLOCK_H=block_h, num_warps=4,
+            TOP_K=top_k, SPLITS=splits, BLOCK_H=block_h, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out
 

@@ -229,3 +229,19 @@ def _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, e, stride_we, stride_se):
     """Expert e's packed words and group parameters (zeros and minima share the scales' layout)."""
     e64 = e.to(tl.int64)
     return w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, z_ptr + e64 * stride_se, m_ptr + e64 * stride_se
+
+
+# Programmatic dependent launch (sm_90+): a kernel launched with `launch_pdl` may start while the kernel before
+# it finishes, and waits in `_pdl_wait` (griddepcontrol.wait: the prerequisite grid complete, its writes visible)
+# before reading what that kernel wrote; `_pdl_launch_dependents` lets the next one start early. At a few tokens
+# the layer's launches are short, so launch latency and each kernel's ramp are a large part of their time.
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _pdl_launch_dependents(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
