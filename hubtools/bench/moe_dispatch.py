@@ -61,17 +61,20 @@ MODELS = {
 }
 SKEWED_TOKENS = 4096
 ZIPF_EXPONENT = 1.2
-GOALS = {  # model -> (ours / weight-stream bound time at T=1, at most)
+GOALS = {  # model -> (ours / weight-stream bound time at T=1, at most); Qwen3-30B-A3B: issue 16's 85 %
     "mixtral-8x7b": 1 / 0.88,
     "deepseek-v3": 1 / 0.75,
-    "qwen3-30b-a3b": 3.0,
+    "qwen3-30b-a3b": 1 / 0.85,
 }
 GROUPED_MM_GOAL = 0.8  # ours TFLOP/s over torch._grouped_mm TFLOP/s, T >= 4096
-# 4-bit experts (issue 16): moe_forward with QuantizedExperts at T = 1, against the 4-bit weight-stream bound
-# (bytes of the selected experts' packed words, scales and zero points / copy bandwidth; the same goals as
-# bf16's against its bound) and against bf16 moe_forward at the same T, measured in the same run
+# 4-bit experts (issue 16): moe_forward with QuantizedExperts at T = 1 against the 4-bit weight-stream bound
+# (bytes of the selected experts' packed words, scales and zero points / copy bandwidth: at least 85 % of it),
+# and against bf16 moe_forward at the same T, measured in the same run (T = 8-512 faster; T >= 4096 at least
+# 0.8x its TFLOP/s)
 QUANT_FORMATS = {"int4-g128": dict(group_size=128, fmt="int4", zero_point=False)}
-QUANT_TOKENS = (1, 16, 128)
+QUANT_TOKENS = (1, 16, 128, 4096)
+QUANT_BOUND_GOAL = 1 / 0.85  # 4-bit ours time / 4-bit weight-stream bound at T = 1, at most
+QUANT_LARGE_GOAL = 0.8  # bf16 ours time / 4-bit ours time at T >= 4096 (the same flops), at least
 QUANT_SPEEDUP_GOAL = 3.0  # bf16 ours time / 4-bit ours time at T = 1 (4x fewer weight bytes)
 QUANT_MAX_COPIES = 16  # Qwen3-30B-A3B: 19 MB of 4-bit experts per call, 16 copies of its layer are 5 GB
 LOOP_GOAL = 3.0  # loop time over ours, every T <= 4096
@@ -384,6 +387,12 @@ def _quant_goals(by_case: dict[str, dict]) -> list[dict]:
         tokens = int(label.split("T=")[1])
         ours = impls["ours"]["seconds"]
         bf16 = by_case.get(f"{name} T={tokens}", {}).get("ours")
+        if tokens >= 4096:
+            if bf16 is not None:
+                ratio = bf16["seconds"] / ours
+                out.append({"goal": "4-bit T>=4096: bf16 time / 4-bit time", "case": case, "value": ratio,
+                            "target": QUANT_LARGE_GOAL, "met": ratio >= QUANT_LARGE_GOAL})
+            continue
         if tokens > 1:  # the issue: T = 8-512 faster than the bf16 path
             if bf16 is not None:
                 out.append({"goal": "4-bit T=8-512: bf16 time / 4-bit time", "case": case,
@@ -391,7 +400,7 @@ def _quant_goals(by_case: dict[str, dict]) -> list[dict]:
             continue
         ratio = ours / impls["weight-stream bound"]["seconds"]
         out.append({"goal": "4-bit T=1 time / 4-bit weight-stream bound", "case": case, "value": ratio,
-                    "target": GOALS[name], "met": ratio <= GOALS[name], "at_most": True})
+                    "target": QUANT_BOUND_GOAL, "met": ratio <= QUANT_BOUND_GOAL, "at_most": True})
         if bf16 is not None:
             speedup = bf16["seconds"] / ours
             out.append({"goal": "4-bit T=1: bf16 time / 4-bit time", "case": case, "value": speedup,
