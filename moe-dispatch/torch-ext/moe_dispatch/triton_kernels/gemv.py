@@ -138,9 +138,16 @@ def _gemv_rows(x_row, q_base, s_base, z_base, m_base, cb_ptr, rows, rows_b, n_ok
         if TWO:
             acc_b += _gemv_chunk(w_b, x_row, tile, live, col, rows_b, n_ok, K, s_base, z_base, m_base, cb_ptr,
                                  stride_sg, NF4, HAS_ZERO, HAS_MIN, GROUP, EVEN_K, EMULATE)
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    out_b = tl.sum(tl.sum(acc_b, axis=2), axis=1)
-    if GROUP == -1:  # per channel: one scale per row, applied once
+    return _row_results(acc, acc_b, s_base, rows, rows_b, n_ok, 1.0, GROUP)
+
+
+@triton.jit
+def _row_results(acc, acc_b, s_base, rows, rows_b, n_ok, unit, GROUP: tl.constexpr):
+    """The fp32 [BLOCK_N] results of two [BLOCK_N, TILES, 16] accumulators of rows `rows` and `rows_b`, times
+    `unit`; per channel (GROUP -1) times each row's scale, applied once."""
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) * unit
+    out_b = tl.sum(tl.sum(acc_b, axis=2), axis=1) * unit
+    if GROUP == -1:
         out *= tl.load(s_base + rows, mask=n_ok, other=0.0).to(tl.float32)
         out_b *= tl.load(s_base + rows_b, mask=n_ok, other=0.0).to(tl.float32)
     return out, out_b
@@ -327,6 +334,20 @@ def _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO: tl.cons
 
 
 @triton.jit
+def _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, x_scale, xp0, xp1, xp2, xp3,
+             HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, EMULATE: tl.constexpr):
+    """A [BLOCK_N, TILES, 16] word tile's fp32 terms: `_h2_word_dot` times the tile's group scales (over x's tile
+    scale when X_SCALED). zlo / zhi: the symmetric or per-row (per channel) zero pairs; group zero points
+    replace them with the tile's own."""
+    s, z_lo, z_hi = _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO, GROUP)
+    if GROUP != -1 and HAS_ZERO:
+        zlo, zhi = z_lo, z_hi
+    if X_SCALED:
+        s = s / x_scale
+    return _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE) * s[:, :, None]
+
+
+@triton.jit
 def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K, first, per_split, stride_qn,
              stride_sg, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
              HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
@@ -378,25 +399,24 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
         xp1 = _x_pair(x_row, k0, K, scale, 1, X_SCALED, MASK)
         xp2 = _x_pair(x_row, k0, K, scale, 2, X_SCALED, MASK)
         xp3 = _x_pair(x_row, k0, K, scale, 3, X_SCALED, MASK)
-        s, z_lo, z_hi = _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO, GROUP)
-        if GROUP != -1 and HAS_ZERO:
-            zlo, zhi = z_lo, z_hi
-        if X_SCALED:
-            s = s / scale
-        acc += _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE) * s[:, :, None]
+        acc += _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, scale, xp0, xp1, xp2, xp3, HAS_ZERO,
+                        GROUP, X_SCALED, EMULATE)
         if TWO:
-            s_b, z_lo, z_hi = _h2_tile_params(s_base, z_base, tile, rows_b, ok, stride_sg, HAS_ZERO, GROUP)
-            if GROUP != -1 and HAS_ZERO:
-                zlo_b, zhi_b = z_lo, z_hi
-            if X_SCALED:
-                s_b = s_b / scale
-            acc_b += _h2_word_dot(w_b, zlo_b, zhi_b, xp0, xp1, xp2, xp3, EMULATE) * s_b[:, :, None]
-    out = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
-    out_b = tl.sum(tl.sum(acc_b, axis=2), axis=1) * 16.0
-    if GROUP == -1:  # per channel: one scale per row, applied once
-        out *= tl.load(s_base + rows, mask=n_ok, other=0.0).to(tl.float32)
-        out_b *= tl.load(s_base + rows_b, mask=n_ok, other=0.0).to(tl.float32)
-    return out, out_b
+            acc_b += _h2_tile(w_b, s_base, z_base, tile, rows_b, ok, stride_sg, zlo_b, zhi_b, scale, xp0, xp1, xp2,
+                              xp3, HAS_ZERO, GROUP, X_SCALED, EMULATE)
+    return _row_results(acc, acc_b, s_base, rows, rows_b, n_ok, 16.0, GROUP)  # the words' dots were / 16
+
+
+@triton.jit
+def _h2_block(w_ptr, e64, stride_we, BLOCK_N: tl.constexpr, W_DESC: tl.constexpr):
+    """A packed GEMV program's first row, its [BLOCK_N] rows (int64) and where expert e64's words are read from:
+    its base pointer, or with W_DESC the descriptor over all experts' rows."""
+    first_row = tl.program_id(1) * BLOCK_N
+    rows = (first_row + tl.arange(0, BLOCK_N)).to(tl.int64)
+    w_src = w_ptr
+    if not W_DESC:
+        w_src = w_ptr + e64 * stride_we
+    return first_row, rows, w_src
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -415,12 +435,8 @@ def _gate_up_h2_kernel(
     e = tl.load(ids_ptr + p)
     if (e >= 0) & (e < num_experts):  # other ids select nothing; the combine skips their pairs
         e64 = e.to(tl.int64)
-        first_row = tl.program_id(1) * BLOCK_N
-        rows = (first_row + tl.arange(0, BLOCK_N)).to(tl.int64)
+        first_row, rows, w_src = _h2_block(w_ptr, e64, stride_we, BLOCK_N, W_DESC)
         n_ok = rows < I
-        w_src = w_ptr
-        if not W_DESC:
-            w_src = w_ptr + e64 * stride_we
         w_row = e * rows_per_expert + first_row
         gate, up = _h2_rows(x_ptr + (p // TOP_K).to(tl.int64) * stride_xt, w_src, s_ptr + e64 * stride_se,
                             z_ptr + e64 * stride_se, rows, rows + I, w_row, w_row + I, n_ok, H, 0, tl.cdiv(H, 128),
@@ -447,12 +463,8 @@ def _down_h2_kernel(
     e = tl.load(ids_ptr + p)
     if (e >= 0) & (e < num_experts):
         e64 = e.to(tl.int64)
-        first_row = tl.program_id(1) * BLOCK_N
-        rows = (first_row + tl.arange(0, BLOCK_N)).to(tl.int64)
+        first_row, rows, w_src = _h2_block(w_ptr, e64, stride_we, BLOCK_N, W_DESC)
         n_ok = rows < H
-        w_src = w_ptr
-        if not W_DESC:
-            w_src = w_ptr + e64 * stride_we
         split = tl.program_id(2)
         acc, _ = _h2_rows(inter_ptr + p.to(tl.int64) * stride_it, w_src, s_ptr + e64 * stride_se,
                           z_ptr + e64 * stride_se, rows, rows, e * rows_per_expert + first_row, 0, n_ok, I,
