@@ -1,7 +1,7 @@
 """Measure block-size candidates on a GPU and write the tuned configs the package ships.
 
     python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --out DIR [--compile-only --shard I/N]
-    python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --out DIR --gemv-4bit 1 4 [--models ...]
+    python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --out DIR --gemv-4bit 1 4 [--models ...] [--candidates ...]
     python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --configs-from docs/benchmarks/moe-dispatch-tune.json \
         --device "NVIDIA H200" --out moe-dispatch/torch-ext/moe_dispatch
 
@@ -264,6 +264,7 @@ def main() -> None:
     parser.add_argument("--gemv-4bit", nargs="*", type=int, metavar="T",
                         help="time the 4-bit experts' packed GEMV candidates at these token counts instead "
                              "(writes DIR/gemv-4bit-results.json, no configs)")
+    parser.add_argument("--candidates", nargs="*", choices=sorted(PACKED), help="with --gemv-4bit: only these")
     args = parser.parse_args()
     if args.configs_from and not args.device:
         parser.error("--configs-from needs --device")
@@ -280,7 +281,8 @@ def main() -> None:
         def write(results):
             path.write_text(json.dumps({"env": env, "rows": results}, indent=1) + "\n")
 
-        write(gemv_4bit(tk, k, args.models, args.gemv_4bit or [1], PACKED, progress=write))
+        candidates = {name: PACKED[name] for name in args.candidates} if args.candidates else PACKED
+        write(gemv_4bit(tk, k, args.models, args.gemv_4bit or [1], candidates, progress=write))
         return
     if args.configs_from:  # the file holds times only: the measuring run's versions are not known here
         write_configs(tk, json.loads(args.configs_from.read_text()), args.out / "configs", args.device,

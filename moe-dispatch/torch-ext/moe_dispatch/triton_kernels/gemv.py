@@ -334,16 +334,16 @@ def _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO: tl.cons
 
 
 @triton.jit
-def _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, x_scale, xp0, xp1, xp2, xp3,
+def _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, x_unscale, xp0, xp1, xp2, xp3,
              HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, EMULATE: tl.constexpr):
-    """A [BLOCK_N, TILES, 16] word tile's fp32 terms: `_h2_word_dot` times the tile's group scales (over x's tile
-    scale when X_SCALED). zlo / zhi: the symmetric or per-row (per channel) zero pairs; group zero points
+    """A [BLOCK_N, TILES, 16] word tile's fp32 terms: `_h2_word_dot` times the tile's group scales (times the
+    inverse of x's tile scale, `x_unscale`, when X_SCALED). zlo / zhi: the symmetric or per-row (per channel) zero pairs; group zero points
     replace them with the tile's own."""
     s, z_lo, z_hi = _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO, GROUP)
     if GROUP != -1 and HAS_ZERO:
         zlo, zhi = z_lo, z_hi
     if X_SCALED:
-        s = s / x_scale
+        s = s * x_unscale
     return _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE) * s[:, :, None]
 
 
@@ -393,16 +393,19 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
         if not X_BCAST:
             k0 = tl.broadcast_to(k0, (BLOCK_N, TILES, _WORDS))
         scale = 1.0
+        unscale = 1.0
         if X_SCALED:
             scale = _x_tile_scales(x_row, k0, K, MASK)
+            # a power of two: the inverse is exact, and one reciprocal per tile replaces a division per row and tile
+            unscale = 1.0 / scale
         xp0 = _x_pair(x_row, k0, K, scale, 0, X_SCALED, MASK)
         xp1 = _x_pair(x_row, k0, K, scale, 1, X_SCALED, MASK)
         xp2 = _x_pair(x_row, k0, K, scale, 2, X_SCALED, MASK)
         xp3 = _x_pair(x_row, k0, K, scale, 3, X_SCALED, MASK)
-        acc += _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, scale, xp0, xp1, xp2, xp3, HAS_ZERO,
+        acc += _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, unscale, xp0, xp1, xp2, xp3, HAS_ZERO,
                         GROUP, X_SCALED, EMULATE)
         if TWO:
-            acc_b += _h2_tile(w_b, s_base, z_base, tile, rows_b, ok, stride_sg, zlo_b, zhi_b, scale, xp0, xp1, xp2,
+            acc_b += _h2_tile(w_b, s_base, z_base, tile, rows_b, ok, stride_sg, zlo_b, zhi_b, unscale, xp0, xp1, xp2,
                               xp3, HAS_ZERO, GROUP, X_SCALED, EMULATE)
     return _row_results(acc, acc_b, s_base, rows, rows_b, n_ok, 16.0, GROUP)  # the words' dots were / 16
 
