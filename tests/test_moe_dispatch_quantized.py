@@ -163,6 +163,18 @@ def test_pack_unpack_roundtrip(k):
     assert torch.equal(q.unpack(packed, (70, 200)), codes)
 
 
+def test_pack_k_words_matches_pack(k):
+    """GPTQ-style words ([E, K / 8, N], 8 consecutive K-codes each) re-laid as bytes equal `pack` of their codes,
+    padding included."""
+    q = k.quantized
+    codes = torch.randint(0, 16, (3, 200, 136), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+    words = torch.zeros(3, 136 // 8, 200, dtype=torch.int64)
+    for p in range(8):
+        words |= codes[..., p::8].transpose(-1, -2).long() << (4 * p)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    assert torch.equal(q.pack_k_words(words, (200, 136)), q.pack(codes))
+
+
 def test_nbytes_and_shard(k):
     q_gate_up, q_down = quantized_experts(k, 4, 160, 96, "int4", True, 32, torch.bfloat16)
     # per expert: Np * Kp / 2 bytes of codes + G * Np scales (2 bytes) + G * Np zero points (1 byte)

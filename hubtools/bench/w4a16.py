@@ -742,6 +742,61 @@ def dequant_bandwidth(kernel, shapes=SHAPES, fmt: str = "int4", group: int = GRO
     return {"env": environment(), "copy_bandwidth": bandwidth, "fmt": fmt, "group": group, "rows": rows}
 
 
+def load_speed(kernel, folder, *, layers: int = 8, n: int = 4096, k: int = 4096, group: int = 128,
+               device: str = "cpu", repeats: int = 3) -> dict:
+    """The loader against the read: a GPTQ checkpoint of `layers` random [n, k] linears (int4 g128 symmetric, v1
+    zeros, no act-order) written to `folder`, then the best of `repeats` times of (a) reading every tensor with
+    safetensors and copying it to `device`, (b) `load_checkpoint` into a model of those linears built on the
+    meta device (reading included). The issue's goal: (b) no more than (a)."""
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i in range(layers):
+        tensors[f"layers.{i}.qweight"] = torch.randint(-2**31, 2**31, (k // 8, n), generator=g, dtype=torch.int32)
+        tensors[f"layers.{i}.qzeros"] = torch.full((k // group, n // 8), 0x77777777, dtype=torch.int32)
+        tensors[f"layers.{i}.scales"] = (torch.rand(k // group, n, generator=g) * 1e-2).half()
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "quantize_config.json"), "w") as f:
+        json.dump({"bits": 4, "group_size": group, "desc_act": False, "sym": True, "checkpoint_format": "gptq"}, f)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def read():  # a copy, so the bytes are read (get_tensor alone may map the file without touching them)
+        with safe_open(os.path.join(folder, "model.safetensors"), framework="pt", device="cpu") as handle:
+            return [handle.get_tensor(name).to(device, copy=True) for name in handle.keys()]
+
+    def load():
+        with torch.device("meta"):
+            model = torch.nn.Module()
+            model.layers = torch.nn.ModuleList(torch.nn.Linear(k, n, bias=False) for _ in range(layers))
+        return kernel.load_checkpoint(model, folder, device=device, dtype=torch.float16)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    read_s, load_s = best(read), best(load)
+    weights = layers * n * k
+    return {"kernel": "w4a16", "env": environment(), "mode": "load-speed", "device": device,
+            "rows": [{"case": f"GPTQ int4 g{group}, {layers} x [{n}, {k}]", "bytes": nbytes,
+                      "read_seconds": read_s, "load_seconds": load_s, "load_over_read": load_s / read_s,
+                      "load_ns_per_weight": load_s / weights * 1e9, "read_ns_per_weight": read_s / weights * 1e9}]}
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m hubtools.bench.w4a16 --out tune.json [--shapes LABEL ...] [--tokens M ...]`: build the
     kernel, run `tune`, and write the launch table (``shapes``) with every trial and the environment."""
@@ -776,11 +831,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-gemv", action="store_true",
                         help="instead of the sweep: M=1 fp32 GEMV vs packed-fp16 GEMV candidates vs cuBLAS "
                              "(compare_gemv)")
+    parser.add_argument("--load-speed", metavar="DEVICE",
+                        help="instead of the sweep: load_checkpoint of a synthetic GPTQ checkpoint onto DEVICE "
+                             "(cpu, cuda) against reading its tensors (load_speed)")
     args = parser.parse_args(argv)
     known = {s[0] for s in SHAPES + QWEN_SHAPES + OTHER_SHAPES}
     if args.shapes is not None and not set(args.shapes) <= known:
         parser.error(f"unknown --shapes {sorted(set(args.shapes) - known)}; known: {sorted(known)}")
     project = Workspace.load().kernel("w4a16")
+    if args.load_speed:
+        import tempfile
+
+        with loaded_kernel(project) as module, tempfile.TemporaryDirectory() as folder:
+            results = load_speed(module, folder, device=args.load_speed)
+        results["env"]["command"] = f"python -m hubtools.bench.w4a16 --load-speed {args.load_speed} --out {args.out}"
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        print(json.dumps(results["rows"], indent=1))
+        return 0
     if args.decode_run:
         with loaded_kernel(project) as module:
             results = run(module, shapes=SHAPES + QWEN_SHAPES, tokens=(1,), bf16_shapes=())

@@ -112,6 +112,18 @@ def test_layout_tiles_nibbles_as_documented(k):
     assert torch.equal(k.formats.unpack(packed, (130, 200)), codes)
 
 
+@pytest.mark.parametrize("n,kk", [(130, 200), (128, 256), (1, 8), (300, 1000)])
+def test_pack_k_words_matches_pack(k, n, kk):
+    """GPTQ-style words (8 consecutive K-codes each, [K / 8, N]) re-laid as bytes equal `pack` of their codes,
+    padding included (N and K not multiples of 128)."""
+    codes = torch.randint(0, 16, (n, kk), generator=_gen(4), dtype=torch.uint8)
+    words = torch.zeros(kk // 8, n, dtype=torch.int64)
+    for p in range(8):
+        words |= codes[:, p::8].t().long() << (4 * p)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    assert torch.equal(k.formats.pack_k_words(words, (n, kk)), k.formats.pack(codes))
+
+
 # --- quantize / dequantize -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

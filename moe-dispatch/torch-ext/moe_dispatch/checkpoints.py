@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .layers import _unsupported
-from .quantized import FLOAT_DTYPES, QuantizedExperts, check_group_size, pack, pad_group_params
+from .quantized import FLOAT_DTYPES, QuantizedExperts, check_group_size, pack_k_words, pad_group_params
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -146,8 +146,8 @@ def _check(name: str, t: torch.Tensor, dtypes, shape: tuple) -> None:
 
 
 def _decode_gptq(prefix: str, parts: dict, n: int, k: int, sym: bool, checkpoint_format: str):
-    """One GPTQ projection [N, K] -> (codes uint8 [N, K], scales [G, N], zeros uint8 [G, N] or None,
-    group_size)."""
+    """One GPTQ projection [N, K] -> (qweight words int32 [K / 8, N] as stored, scales [G, N], zeros uint8
+    [G, N] or None, group_size)."""
     qweight, qzeros, scales, g_idx = (parts.get(p) for p in _PARTS)
     _check(f"{prefix}.qweight", qweight, (torch.int32,), (k // 8, n))
     if scales.dtype not in FLOAT_DTYPES or scales.dim() != 2 or scales.shape[1] != n:
@@ -170,7 +170,6 @@ def _decode_gptq(prefix: str, parts: dict, n: int, k: int, sym: bool, checkpoint
             raise ValueError(f"{prefix}.g_idx is an act-order group index (desc_act without static_groups), not "
                              f"the natural k // {group_size if group_size != -1 else k}: moe-dispatch's experts share "
                              f"one activation row and cannot permute input columns per expert")
-    codes = _nibbles(qweight).permute(0, 2, 1).reshape(k, n).t().to(torch.uint8)  # [N, K]
     zeros = _nibbles(qzeros).flatten(-2)[:, :n]  # [G, N]
     if checkpoint_format == "gptq":
         zeros = zeros + 1
@@ -179,12 +178,12 @@ def _decode_gptq(prefix: str, parts: dict, n: int, k: int, sym: bool, checkpoint
             found = sorted(set(zeros.unique().tolist()))[:4]
             raise ValueError(f"{prefix}.qzeros: sym=True expects every zero point to be 8, got values {found} with "
                              f"checkpoint_format={checkpoint_format!r} (v1 'gptq' stores 7, 'gptq_v2' stores 8)")
-        return codes, scales, None, group_size
+        return qweight, scales, None, group_size
     if bool((zeros > 15).any()):
         raise ValueError(f"{prefix}.qzeros holds a stored 15 in a v1 ('gptq') checkpoint: v1 stores zero - 1, so "
                          f"that is zero point 16, which a 4-bit zero point cannot hold (GPTQModel's own v1 -> v2 "
                          f"conversion wraps it to 0 and carries into the next column): ambiguous, not read")
-    return codes, scales, zeros.to(torch.uint8), group_size
+    return qweight, scales, zeros.to(torch.uint8), group_size
 
 
 def _is_experts_module(module: nn.Module) -> bool:
@@ -311,14 +310,15 @@ def _load_module(name: str, module: nn.Module, where: dict, settings: dict, cons
         def cat(i: int) -> Optional[torch.Tensor]:
             if rows_a[0][i] is None:
                 return None
-            dim = 0 if i == 0 else 1  # codes [N, K] along N; scales / zeros [G, N] along N
-            per_expert = [a[i] if rows_b is None else torch.cat([a[i], b[i]], dim) for a, b in
+            # words [K / 8, N], scales / zeros [G, N]: gate and up rows joined along N
+            per_expert = [a[i] if rows_b is None else torch.cat([a[i], b[i]], 1) for a, b in
                           zip(rows_a, rows_b or rows_a)]
             return torch.stack(per_expert)
 
         group_size = rows_a[0][3]
-        codes, scales, zeros = cat(0), cat(1), cat(2)
-        return QuantizedExperts(qweight=pack(codes), scales=pad_group_params(scales, (n, k), group_size),
+        words, scales, zeros = cat(0), cat(1), cat(2)
+        return QuantizedExperts(qweight=pack_k_words(words, (n, k)),
+                                scales=pad_group_params(scales, (n, k), group_size),
                                 shape=(n, k), group_size=group_size, fmt="int4",
                                 zeros=None if zeros is None else pad_group_params(zeros, (n, k), group_size),
                                 dtype=scales.dtype)

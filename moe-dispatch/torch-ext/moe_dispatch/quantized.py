@@ -217,6 +217,30 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
     return word_bytes.transpose(-1, -2).contiguous().view(torch.int32).view(*lead, np_, kp // 8)
 
 
+def pack_k_words(words: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """int32 words ``[..., K / 8, N]`` of 8 consecutive K-codes each (nibble p of word r in column n: the code of
+    input column 8 r + p, as GPTQ stores ``qweight``) -> ``qweight`` ``[..., Np, Kp // 8]``, equal to `pack` of
+    those codes. Bytes move as bytes: no code matrix and no transpose of one (checkpoint loading)."""
+    n, k = shape
+    *lead, rows, cols = words.shape
+    np_, kp = round_up(n, PAD_N), round_up(k, TILE_K)
+    src = words.contiguous()
+    if (rows, cols) != (kp // 8, np_):  # zero codes in the padding, as `pack`
+        src = torch.zeros(*lead, kp // 8, np_, dtype=torch.int32, device=words.device)
+        src[..., : k // 8, :n] = words
+    # source row r = 16 t + 4 b + 2 i + h: tile t, byte b of the target word, its low (i = 0) or high (i = 1)
+    # nibble, h = c // 8 of the target word c; byte s of a source word holds its codes p = 2 s and 2 s + 1, the
+    # target words c = 8 h + p
+    grid = src.view(torch.uint8).view(*lead, kp // TILE_K, 4, 2, 2, np_, 4)
+    low, high = grid.select(-4, 0), grid.select(-4, 1)  # [..., t, b, h, n, s]
+    even = (low & 0x0F) | (high << 4)  # p = 2 s
+    odd = (low >> 4) | (high & 0xF0)  # p = 2 s + 1
+    target = torch.stack((even, odd), dim=-1)  # [..., t, b, h, n, s, p % 2]
+    d = len(lead)
+    order = (*range(d), d + 3, d, d + 2, d + 4, d + 5, d + 1)  # [..., n, t, h, s, p % 2, b]
+    return target.permute(order).contiguous().view(torch.int32).view(*lead, np_, kp // 8)
+
+
 def unpack(qweight: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """``qweight [..., Np, Kp // 8]`` -> uint8 codes ``[..., N, K]`` (the inverse of `pack`)."""
     n, k = shape

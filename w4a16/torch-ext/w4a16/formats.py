@@ -197,6 +197,27 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
     return word_bytes.permute(0, 1, 3, 2).contiguous().view(torch.int32).view(np_, kp // 8)
 
 
+def pack_k_words(words: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """int32 words ``[K / 8, N]`` of 8 consecutive K-codes each (nibble p of word r in column n: the code of input
+    column 8 r + p, as GPTQ stores ``qweight``) -> ``qweight`` ``[Np, Kp // 8]``, equal to `pack` of those codes.
+    Bytes move as bytes: no code matrix and no transpose of one (checkpoint loading)."""
+    n, k = shape
+    np_, kp = round_up(n, PAD_N), round_up(k, TILE_K)
+    src = words.contiguous()
+    if tuple(src.shape) != (kp // 8, np_):  # zero codes in the padding, as `pack`
+        src = torch.zeros(kp // 8, np_, dtype=torch.int32, device=words.device)
+        src[: k // 8, :n] = words
+    # source row r = 16 t + 4 b + 2 i + h: tile t, byte b of the target word, its low (i = 0) or high (i = 1)
+    # nibble, h = c // 8 of the target word c; byte s of a source word holds its codes p = 2 s and 2 s + 1, the
+    # target words c = 8 h + p
+    grid = src.view(torch.uint8).view(kp // TILE_K, 4, 2, 2, np_, 4)
+    low, high = grid[:, :, 0], grid[:, :, 1]  # [t, b, h, n, s]
+    even = (low & 0x0F) | (high << 4)  # p = 2 s
+    odd = (low >> 4) | (high & 0xF0)  # p = 2 s + 1
+    target = torch.stack((even, odd), dim=-1)  # [t, b, h, n, s, p % 2]
+    return target.permute(3, 0, 2, 4, 5, 1).contiguous().view(torch.int32).view(np_, kp // 8)
+
+
 def unpack(qweight: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """``qweight`` -> uint8 codes ``[N, K]`` (the inverse of `pack`)."""
     n, k = shape
@@ -220,9 +241,17 @@ def from_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.
                perm: Optional[torch.Tensor] = None, mins: Optional[torch.Tensor] = None) -> "QuantizedWeight":
     """A `QuantizedWeight` from 4-bit codes ``[N, K]`` and per-group scales (and zero points or minima)
     ``[groups, N]``: packs the codes and pads the group parameters into this kernel's layout."""
-    n, k = codes.shape
+    return from_packed(pack(codes.to(torch.uint8)), tuple(codes.shape), scales, zeros, group_size=group_size,
+                       fmt=fmt, dtype=dtype, codebook=codebook, perm=perm, mins=mins)
+
+
+def from_packed(qweight: torch.Tensor, shape: tuple[int, int], scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                *, group_size: int, fmt: str, dtype: torch.dtype, codebook: Optional[torch.Tensor] = None,
+                perm: Optional[torch.Tensor] = None, mins: Optional[torch.Tensor] = None) -> "QuantizedWeight":
+    """`from_codes` with the codes already packed (``qweight`` ``[Np, Kp // 8]`` of a weight of `shape`)."""
+    n, k = shape
     return QuantizedWeight(
-        qweight=pack(codes.to(torch.uint8)),
+        qweight=qweight,
         scales=pad_group_params(scales, (n, k), group_size),
         zeros=None if zeros is None else pad_group_params(zeros.to(torch.uint8), (n, k), group_size),
         codebook=codebook,

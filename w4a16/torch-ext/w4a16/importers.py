@@ -26,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from .formats import FLOAT_DTYPES, NF4_CODEBOOK, QuantizedWeight, check_group_size, from_codes
+from .formats import (FLOAT_DTYPES, NF4_CODEBOOK, QuantizedWeight, check_group_size, from_codes, from_packed,
+                      pack_k_words)
 
 # GGUF 4-bit tensor type -> (weights per block, bytes per block)
 GGUF_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
@@ -75,9 +76,15 @@ def _act_order(codes: torch.Tensor, g_idx: Optional[torch.Tensor], groups: int, 
                name: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Codes ``[N, K]`` and an act-order group index (input channel -> group) -> the codes with their
     columns sorted by group and the permutation (None when the index is the natural one)."""
+    perm = _act_order_perm(g_idx, codes.shape[1], groups, group_size, name)
+    return (codes, None) if perm is None else (codes[:, perm], perm)
+
+
+def _act_order_perm(g_idx: Optional[torch.Tensor], k: int, groups: int, group_size: int,
+                    name: str) -> Optional[torch.Tensor]:
+    """The input-column permutation that sorts an act-order group index by group (None when natural)."""
     if g_idx is None:
-        return codes, None
-    k = codes.shape[1]
+        return None
     if g_idx.shape[0] != k:
         raise ValueError(f"{name} must have K = {k} entries, got {g_idx.shape[0]}")
     g_idx = g_idx.long()
@@ -85,12 +92,11 @@ def _act_order(codes: torch.Tensor, g_idx: Optional[torch.Tensor], groups: int, 
         raise ValueError(f"{name} values must lie in [0, {groups}) (the groups of the scales)")
     natural = torch.arange(k, device=g_idx.device) // (k if group_size == -1 else group_size)
     if torch.equal(g_idx, natural):
-        return codes, None
+        return None
     counts = torch.bincount(g_idx, minlength=groups)
     if bool((counts != k // groups).any()):
         raise ValueError(f"{name} must assign exactly {k // groups} input channels to each group")
-    perm = torch.argsort(g_idx, stable=True)
-    return codes[:, perm], perm
+    return torch.argsort(g_idx, stable=True)
 
 
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -118,11 +124,10 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"qzeros must have shape {(groups, -(-n // 8))} (groups from scales, N/8 packed), "
                          f"got {tuple(qzeros.shape)}")
     group_size = _group_size_for(k, groups, "scales")
-    codes = _nibbles(qweight).permute(0, 2, 1).reshape(k, n).t()  # [N, K]
     zeros = _unpack_along_last(qzeros, n)  # [G, N]
     if checkpoint_format == "gptq":
         zeros = zeros + 1
-    codes, perm = _act_order(codes, g_idx, groups, group_size, "g_idx")
+    perm = _act_order_perm(g_idx, k, groups, group_size, "g_idx")
     if sym:
         if not bool((zeros == 8).all()):
             found = sorted(set(zeros.unique().tolist()))[:4]
@@ -130,6 +135,10 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                              f"checkpoint_format={checkpoint_format!r}: v1 checkpoints ('gptq') store 7, "
                              f"v2 ('gptq_v2') store 8; pass the matching format, or sym=False")
         zeros = None
+    if perm is None:  # the words re-laid as bytes (`pack_k_words`), no code matrix
+        return from_packed(pack_k_words(qweight, (n, k)), (n, k), scales, zeros, group_size=group_size, fmt="int4",
+                           dtype=scales.dtype)
+    codes = _nibbles(qweight).permute(0, 2, 1).reshape(k, n).t()[:, perm]  # [N, K], columns sorted by group
     return from_codes(codes, scales, zeros, group_size=group_size, fmt="int4", dtype=scales.dtype, perm=perm)
 
 
