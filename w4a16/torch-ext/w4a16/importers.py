@@ -72,14 +72,6 @@ def _group_size_for(k: int, groups: int, name: str) -> int:
     return group_size
 
 
-def _act_order(codes: torch.Tensor, g_idx: Optional[torch.Tensor], groups: int, group_size: int,
-               name: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Codes ``[N, K]`` and an act-order group index (input channel -> group) -> the codes with their
-    columns sorted by group and the permutation (None when the index is the natural one)."""
-    perm = _act_order_perm(g_idx, codes.shape[1], groups, group_size, name)
-    return (codes, None) if perm is None else (codes[:, perm], perm)
-
-
 def _act_order_perm(g_idx: Optional[torch.Tensor], k: int, groups: int, group_size: int,
                     name: str) -> Optional[torch.Tensor]:
     """The input-column permutation that sorts an act-order group index by group (None when natural)."""
@@ -202,14 +194,19 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
     group_size = _group_size_for(k, groups, "weight_scale")
     # Codes are the signed values plus 8, so symmetric weights are exactly this format's implicit zero 8,
     # and (q - zero) of the signed pair equals the difference of the stored nibbles.
-    codes = _unpack_along_last(weight_packed, k)
     zeros = None
     if weight_zero_point is not None:
         if tuple(weight_zero_point.shape) != (-(-n // 8), groups):
             raise ValueError(f"weight_zero_point must have shape {(-(-n // 8), groups)} (N/8 packed, groups), "
                              f"got {tuple(weight_zero_point.shape)}")
         zeros = _unpack_along_last(weight_zero_point.t(), n)  # [G, N]
-    codes, perm = _act_order(codes, weight_g_idx, groups, group_size, "weight_g_idx")
+    perm = _act_order_perm(weight_g_idx, k, groups, group_size, "weight_g_idx")
+    if perm is None and k % 8 == 0:  # whole words of 8 K-codes: re-laid as bytes (`pack_k_words`)
+        return from_packed(pack_k_words(weight_packed.t(), (n, k)), (n, k), weight_scale.t(), zeros,
+                           group_size=group_size, fmt="int4", dtype=weight_scale.dtype)
+    codes = _unpack_along_last(weight_packed, k)
+    if perm is not None:
+        codes = codes[:, perm]
     return from_codes(codes, weight_scale.t(), zeros, group_size=group_size, fmt="int4", dtype=weight_scale.dtype,
                       perm=perm)
 
