@@ -373,3 +373,14 @@ def test_compressed_tensors_act_order(k, monkeypatch, asym):
         k.from_compressed_tensors(_pack_rows(codes)[:, :-1], scales, (n, kk))
     with pytest.raises(TypeError, match="weight_scale"):
         k.from_compressed_tensors(_pack_rows(codes), scales.int(), (n, kk))
+
+
+def test_load_speed_measurement(k, tmp_path):
+    """The loading benchmark (`python -m hubtools.bench.w4a16 --load-speed DEVICE`) writes a GPTQ checkpoint the
+    loader takes and times both sides."""
+    from hubtools.bench.w4a16 import load_speed
+
+    results = load_speed(k, tmp_path / "ckpt", layers=2, n=256, k=384, repeats=1)
+    (row,) = results["rows"]
+    assert row["load_seconds"] > 0 and row["read_seconds"] > 0 and row["bytes"] > 2 * 256 * 384 // 2
+    assert results["mode"] == "load-speed" and results["device"] == "cpu"
