@@ -126,6 +126,8 @@ def _words_arg(w: QuantizedExperts, plan: dict):
     q = w.qweight
     if not plan.get("TMA", False):
         return q
+    if not q.is_contiguous():  # the descriptor spans the experts as one [E * Np] row range
+        raise ValueError("TMA: a QuantizedExperts' qweight must be contiguous (QuantizedExperts makes it so)")
     e, np_, words = q.shape
     return TensorDescriptor(q, [e * np_, words // 16, 16], [words, 16, 1], [plan["BLOCK_N"], plan["TILES"], 16])
 
