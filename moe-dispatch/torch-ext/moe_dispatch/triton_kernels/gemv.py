@@ -207,10 +207,10 @@ def _down_gemv_kernel(
 # 1024 + 16 n) and one HFMA2 turns it into (n - zero) / 16 exactly; 4 HMUL2 / HFMA2 with packed x pairs and an HADD2
 # give the word's 8-term dot in fp16, converted once to fp32 and scaled there: ~2 instructions per weight for the
 # word math against ~4.7 for `_gemv_chunk`. Products and the 8 partial sums round to fp16 (2^-11 relative); the
-# / 16 keeps them finite for |x| up to ~16k. x must then be fp16: bf16 or fp32 x (the hidden states, the fp32
-# intermediate) is made fp16 per 128-column tile inside the kernel (X_SCALED), times the power of two that puts the
-# tile's largest |x| in [2^10, 2^11) (bf16 converts exactly, fp32 rounds to 11 bits), the inverse folded into the
-# tile's scale.
+# / 16 keeps them finite for fp16 hidden states up to |x| ~8k (8 terms of at most 15 / 16 |x|, w4a16's bound).
+# The other x are made fp16 per 128-column tile inside the kernel (X_SCALED: bf16 hidden states, the fp32
+# intermediate), times the power of two that puts the tile's largest |x| in [2^10, 2^11) (bf16 converts exactly,
+# fp32 rounds to 11 bits; the sums stay below 2^14), the inverse folded into the tile's scale.
 _H2_ASM = tl.constexpr("""{
 .reg .b32 t0, t1, t2, t3, w8, m1, m2, mg, k16, k256, p;
 .reg .b16 lo, hi;
