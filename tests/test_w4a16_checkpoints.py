@@ -247,8 +247,8 @@ def test_refuses_what_it_does_not_read(k, tmp_path, tool, name, changes, field):
 
 
 def test_refuses_moe_expert_tensors(k, tmp_path):
-    """Quantized experts (as GPTQ / AWQ MoE checkpoints store them) are refused until moe-dispatch takes 4-bit
-    experts: a tiny Mixtral built on meta, and a checkpoint whose expert linears are quantized."""
+    """Quantized experts (as GPTQ / AWQ MoE checkpoints store them) are refused, pointing to moe-dispatch's
+    expert loader: a tiny Mixtral built on meta, and a checkpoint whose expert linears are quantized."""
     import transformers
     from safetensors.torch import save_file
 
@@ -264,7 +264,7 @@ def test_refuses_moe_expert_tensors(k, tmp_path):
     save_file({f"{prefix}.qweight": torch.zeros(8, 128, dtype=torch.int32),
                f"{prefix}.qzeros": torch.zeros(2, 16, dtype=torch.int32),
                f"{prefix}.scales": torch.ones(2, 128, dtype=torch.float16)}, folder / "model.safetensors")
-    with pytest.raises(ValueError, match="MoE expert"):
+    with pytest.raises(ValueError, match="MoE expert.*load_quantized_experts"):
         k.from_pretrained(folder)
 
 
