@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -184,8 +185,12 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
 def _pdl(plan: dict, device: torch.device) -> bool:
     """Whether a kernel of this plan launches as a programmatic dependent of the one before (plan["PDL"]; CUDA
     sm_90+, not the interpreter)."""
-    return (bool(plan.get("PDL", False)) and device.type == "cuda" and not _interpreting()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return bool(plan.get("PDL", False)) and device.type == "cuda" and not _interpreting() and _sm90_or_newer(device)
+
+
+@functools.cache
+def _sm90_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _h2_flags(plan: dict, x_dtype: torch.dtype, k: int, per_split: int, fmt: dict, device: torch.device) -> dict:
@@ -234,9 +239,11 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
     dn_ptrs, dn_strides, dn_format = _weight_args(w_down)
     num_pairs = T * top_k
     device = hidden_states.device
-    pair_out = torch.empty(num_pairs, H, dtype=hidden_states.dtype, device=device)
+    gemv = quant and config.get("GEMV", False)
+    # the GEMVs size their own output (split-K partials); the other paths write one row per pair
+    pair_out = None if gemv else torch.empty(num_pairs, H, dtype=hidden_states.dtype, device=device)
     with _device_guard(hidden_states):
-        if quant and config.get("GEMV", False):
+        if gemv:
             pair_out = _gemvs(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, up, down)
         elif T <= DECODE_MAX_TOKENS:
             common.update(TOP_K=top_k, BLOCK_T=16, BLOCK_P=triton.next_power_of_2(num_pairs),
@@ -292,7 +299,7 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
             )
         block_h = min(1024, triton.next_power_of_2(H))
         splits = pair_out.shape[0] if pair_out.dim() == 3 else 1
-        pdl = quant and config.get("GEMV", False) and _pdl(down, device)  # after a down GEMV that lets it
+        pdl = gemv and _pdl(down, device)  # after a down GEMV that lets it
         _combine_kernel[(T, triton.cdiv(H, block_h))](
             pair_out, topk_ids, out, H, num_experts, pair_out.stride(-2), out.stride(0), pair_out.stride(0),
             TOP_K=top_k, SPLITS=splits, BLOCK_H=block_h, PDL=pdl, num_warps=4, launch_pdl=pdl,
