@@ -203,8 +203,9 @@ def pack_k_words(words: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     Bytes move as bytes: no code matrix and no transpose of one (checkpoint loading)."""
     n, k = shape
     np_, kp = round_up(n, PAD_N), round_up(k, TILE_K)
-    src = words.contiguous()
-    if tuple(src.shape) != (kp // 8, np_):  # zero codes in the padding, as `pack`
+    if tuple(words.shape) == (kp // 8, np_):
+        src = words.contiguous()
+    else:  # zero codes in the padding, as `pack` (one copy, which also makes it contiguous)
         src = torch.zeros(kp // 8, np_, dtype=torch.int32, device=words.device)
         src[: k // 8, :n] = words
     # source row r = 16 t + 4 b + 2 i + h: tile t, byte b of the target word, its low (i = 0) or high (i = 1)
