@@ -57,6 +57,51 @@ def test_full_sizes_match_float64(k, dtype):
             assert_close(out, ref_out, dtype)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs sm_90+")
+@pytest.mark.parametrize("m,h", [(1, 4096), (4099, 7168), (3, 100000)])
+def test_dependent_launch_chains(k, monkeypatch, m, h):
+    """On sm_90+ the forward kernels launch as programmatic dependents (`triton_kernels._dependent_launch`) and
+    let the next kernel launch once their rows are loaded: 12 fused residual norms back to back, each reading the
+    sum and output the one before wrote (in place every other step), give the bits of stream-ordered launches,
+    eagerly and in CUDA-graph replay with fresh inputs. A kernel that touched memory before its wait would read a
+    half-written row."""
+    tk = k.ops.triton_kernels
+    assert tk._dependent_launch(torch.device("cuda"))
+    w = rand(h)
+
+    def chain(x, r):
+        for step in range(12):
+            x, r = k.fused_add_rms_norm(x, r, w, inplace=step % 2 == 1)
+        return x, r
+
+    def serial(x, r):
+        with monkeypatch.context() as patch:
+            patch.setattr(tk, "_dependent_launch", lambda device: False)
+            return chain(x.clone(), r.clone())
+
+    x, r = rand(m, h, scale=3.0), rand(m, h)
+    for got, want in zip(chain(x.clone(), r.clone()), serial(x, r)):
+        assert torch.equal(got, want)
+    static_x, static_r = x.clone(), r.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(static_x.clone(), static_r.clone())
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain(static_x, static_r)
+    for _ in range(3):
+        fresh_x, fresh_r = rand(m, h, scale=3.0), rand(m, h)
+        want = serial(fresh_x, fresh_r)
+        static_x.copy_(fresh_x)
+        static_r.copy_(fresh_r)
+        graph.replay()
+        for got, ref in zip(outs, want):
+            assert torch.equal(got, ref)
+
+
 def check_grads(k, x, w, r=None, offset=0.0):
     xs = [t.clone().requires_grad_() for t in (x, w) + ((r,) if r is not None else ())]
     dy = torch.randn_like(x)

@@ -452,6 +452,61 @@ def test_act_order_gptq_full_size(k):
         assert _rel_err(k.matmul(x[:m], qw), x[:m].double() @ weight) < TOL[torch.float16]
 
 
+DEPENDENT_LAUNCHES = [  # (m, config): each decode kernel, split-K (its reduction launched as a dependent too)
+    (1, {"kernel": "gemv", "tiles": 8, "num_warps": 4, "half2": {"block_n": 8, "tiles": 8, "num_warps": 4}}),
+    (1, {"kernel": "gemv", "half2": {"block_n": 16, "tiles": 8, "num_warps": 2, "num_stages": 3, "x_bcast": True,
+                                     "tma": True, "split_k": 3}}),
+    (4, {**CONFIGS[3], "mma": {"num_warps": 2, "tiles": 2, "stages": 4, "split_k": 2}}),
+    (13, {**CONFIGS[3], "mma": {"block_m": 16, "num_warps": 4, "reps": 2, "tiles": 2, "stages": 3}}),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs sm_90+")
+@pytest.mark.parametrize("m,config", DEPENDENT_LAUNCHES, ids=["h2", "h2-tma-split3", "mma-split2", "mma-16x128"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dependent_launch_chains(k, m, config, dtype):
+    """The decode kernels as programmatic dependents (`launch.dependent_launch`): a chain of 8 matmuls launched
+    back to back (each lets the next start early), each reading what the one before wrote and writing memory the
+    allocator hands back from freed outputs, gives the bits of serial launches, eagerly and in CUDA-graph replay
+    with fresh inputs. A kernel that read x or wrote before its wait would read the previous layer's output half
+    written. bf16 x adds the packed-fp16 GEMV's pre-pass to the chain."""
+    n, kk = 3072, 4096
+    # weights of std 0.015: a layer keeps x's scale within ~20 %, so 8 of them stay in fp16's range
+    up = k.quantize(_weight(n, kk, dtype, seed=20) * 0.3, group_size=128, zero_point=True)
+    down = k.quantize(_weight(kk, n, dtype, seed=21) * 0.3, group_size=128, zero_point=True)
+    dependent, serial = {**config, "pdl": True}, {**config, "pdl": False}
+    assert k.triton_kernels.launch.dependent_launch(
+        k.tuning.resolve(dependent, torch.empty(m, kk, device="cuda", dtype=dtype), None, 128), up.qweight.device)
+
+    def chain(x, cfg):
+        for layer in range(8):
+            qw = up if layer % 2 == 0 else down
+            n_out, k_in = qw.shape
+            x = k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, None, n_out, k_in, 128, cfg)
+        return x
+
+    x = torch.randn(m, kk, device="cuda", dtype=dtype)
+    want = chain(x, serial)
+    assert want.isfinite().all() and want.abs().max() > 0
+    for _ in range(5):
+        assert torch.equal(chain(x, dependent), want)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(static_x, dependent)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = chain(static_x, dependent)
+    for seed in range(5):
+        fresh = torch.randn(m, kk, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(seed))
+        static_x.copy_(fresh)
+        graph.replay()
+        assert torch.equal(static_out, chain(fresh, serial))
+
+
 @pytest.mark.parametrize("m", [1, 64])
 def test_torch_compile_fullgraph(k, m):
     qw = k.quantize(_weight(4096, 4096, torch.float16), group_size=128)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import pathlib
 
 import torch
@@ -68,15 +69,35 @@ def _store_streamed(ptr, value, mask, EVICT_FIRST: tl.constexpr):
         tl.store(ptr, value, mask=mask)
 
 
+# Programmatic dependent launch (sm_90+, `_dependent_launch`): the forward kernels are launched with `launch_pdl`,
+# so one may be scheduled while the kernel before it (a w4a16 GEMV, attention) drains; it waits in
+# griddepcontrol.wait (that kernel complete, its writes visible) before touching memory, and lets the kernel after
+# it (w4a16's decode GEMVs are launched the same way) launch once its rows are loaded. In batch-1 decode a norm is
+# one short program between two matmuls, so most of its cost is the launch gap this hides.
+@triton.jit
+def _dependent_wait(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _launch_dependents(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 @triton.jit
 def _forward_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
     n_rows, n_cols, x_stride, residual_stride, out_stride, sum_stride,
     eps, offset,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, EVICT_FIRST: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, PDL: tl.constexpr,
 ):
-    """ROWS whole rows per program, each row held in registers: one read and one write per element."""
+    """ROWS whole rows per program, each row held in registers: one read and one write per element. PDL: a
+    programmatic dependent of the kernel before (`_dependent_wait`), the next one let launch once the rows are
+    loaded."""
+    _dependent_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
@@ -88,6 +109,7 @@ def _forward_kernel(
         # Rounded to the activation dtype, exactly like the unfused `x + residual`.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         _store_streamed(sum_ptr + rows * sum_stride + cols[None, :], x, mask, EVICT_FIRST)
+    _launch_dependents(PDL)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)[:, None]
     w = 0.0
@@ -103,10 +125,12 @@ def _forward_looped_kernel(
     n_rows, n_cols, x_stride, residual_stride, out_stride, sum_stride,
     eps, offset,
     BLOCK: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row per program for rows wider than a register block: the first pass sums squares (and writes
-    x + residual), the second re-reads the row, which the first pass left in L2."""
+    x + residual), the second re-reads the row, which the first pass left in L2. PDL as in `_forward_kernel`
+    (the next kernel let launch after the first pass)."""
+    _dependent_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     sum_row = sum_ptr + row * sum_stride
@@ -123,6 +147,7 @@ def _forward_looped_kernel(
         xf = x.to(tl.float32)
         acc += xf * xf
     rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
+    _launch_dependents(PDL)
     if HAS_RESIDUAL:
         # The second pass reads back the sums other threads of this program stored.
         tl.debug_barrier()
@@ -354,6 +379,17 @@ def _backward_programs(device: torch.device, n_rows: int, config: dict) -> int:
     return max(1, min(n_rows, target))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def _dependent_launch(device: torch.device) -> bool:
+    """Whether the forward kernels launch as programmatic dependents: CUDA sm_90+, not the interpreter."""
+    return (device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+            and _sm90_or_newer(device.index if device.index is not None else torch.cuda.current_device()))
+
+
 def forward(x, residual, weight, out, sum_out, eps: float, offset: float, config: dict | None = None) -> None:
     """out = rmsnorm(x [+ residual]) and, with a residual, sum_out = x + residual. 2-D row views only;
     out and sum_out may alias x and residual (each element is read before it is written)."""
@@ -366,7 +402,9 @@ def forward(x, residual, weight, out, sum_out, eps: float, offset: float, config
         n_rows, n_cols, x.stride(0), residual.stride(0) if has_residual else 0, out.stride(0),
         sum_out.stride(0) if has_residual else 0, eps, offset,
     )
-    flags = dict(HAS_RESIDUAL=has_residual, HAS_WEIGHT=weight is not None, ROUND_BEFORE_WEIGHT=offset == 0.0)
+    pdl = _dependent_launch(x.device)
+    flags = dict(HAS_RESIDUAL=has_residual, HAS_WEIGHT=weight is not None, ROUND_BEFORE_WEIGHT=offset == 0.0,
+                 PDL=pdl, launch_pdl=pdl)
     if config["looped"]:
         _forward_looped_kernel[(n_rows,)](*args, BLOCK=config["block"], num_warps=config["num_warps"], **flags)
     else:

@@ -19,7 +19,9 @@ tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`
 ``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration), ``x_smem`` (x through shared memory),
 ``stages`` (a cp.async ring of that many slots for the words, x, scales and zero points, where
 `cp_async_rows`, else one stage) and ``split_k``) or
-``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS).
+``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS). Any config may also say ``"pdl": False``: the
+packed-fp16 and mma GEMVs (and their split-K reductions) then launch in stream order instead of as programmatic
+dependents of the kernel before (`triton_kernels.launch.dependent_launch`, on by default where sm_90+ runs).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
 dtype, device and weight format, the one place where those choices are made: ``"gemv"`` becomes
@@ -259,6 +261,14 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bo
     """The launch plan of `config` for activations `x` and a weight of this format (`has_mins`: int4 with float
     minima, `has_zeros`: integer zero points; see the module doc); with `swiglu` (a fused gate / up weight in the
     SwiGLU layout) for the epilogue silu(gate) * up."""
+    plan = _kernel_plan(config, x, codebook, group_size, swiglu, has_mins, has_zeros)
+    # the decode kernels' launch option, set beside the kernel choice
+    return {**plan, **({"pdl": config["pdl"]} if "pdl" in config else {})}
+
+
+def _kernel_plan(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bool, has_mins: bool,
+                 has_zeros: bool) -> dict:
+    """`resolve` without the launch options."""
     if config.get("mma") and mma_supported(x, codebook, group_size, swiglu, has_mins):
         plan = {**config["mma"], "kernel": "mma"}
         if plan.get("stages", 1) > 1 and not cp_async_rows(x):

@@ -131,10 +131,14 @@ def _split_sum(part_ptr, offs, mask, stride_split, SPLIT: tl.constexpr):
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N,
-                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK: tl.constexpr):
+                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
     """out = sum of the SPLIT fp32 partials ``[SPLIT, M, N]`` in a fixed order (deterministic) + bias, cast once.
     SWIGLU: `out` is ``[M, N // 2]``, silu(gate) * up of the summed fused rows (bias added first); it also runs
-    with SPLIT = 1 on the 16-bit product of dequantize + cuBLAS (its SwiGLU epilogue)."""
+    with SPLIT = 1 on the 16-bit product of dequantize + cuBLAS (its SwiGLU epilogue). PDL: launched as a
+    programmatic dependent of the split kernel."""
+    _dependent_wait(PDL)
+    _launch_dependents(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     if SWIGLU:
@@ -152,3 +156,21 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N,
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Programmatic dependent launch (sm_90+, `launch.dependent_launch`): a kernel launched with `launch_pdl` may be
+# scheduled while the kernel before it drains; it waits in griddepcontrol.wait (the prior grid complete and its
+# writes visible) before it reads or writes anything, since its output may reuse memory the prior kernel still
+# reads. It lets the next kernel launch once its K loop is done: triggered at its start instead, the next kernel's
+# programs sat waiting beside these for their whole run wherever one wave left SM slots free, and slowed them up
+# to 1.8x (docs/design/w4a16.md E18, run 54).
+@triton.jit
+def _dependent_wait(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _launch_dependents(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -30,14 +32,28 @@ def _or(t, placeholder):
     return t if t is not None else placeholder
 
 
-def _reduce_splits(part, bias, out, n, swiglu) -> None:
-    """`part` ``[splits, M, n]`` summed (+ bias) into `out`: ``[M, n]``, or with `swiglu` ``[M, n // 2]``."""
+def _reduce_splits(part, bias, out, n, swiglu, pdl: bool = False) -> None:
+    """`part` ``[splits, M, n]`` summed (+ bias) into `out`: ``[M, n]``, or with `swiglu` ``[M, n // 2]``; `pdl`:
+    launched as a programmatic dependent of the split kernel."""
     total = out.numel()
     block = 1024
     _splitk_reduce_kernel[(triton.cdiv(total, block),)](
         part, _or(bias, part), out, total, n,
-        SPLIT=part.shape[0], HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK=block, num_warps=4,
+        SPLIT=part.shape[0], HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK=block, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def dependent_launch(plan: dict, device: torch.device) -> bool:
+    """Whether a decode kernel launches as a programmatic dependent of the kernel before (`common._dependent_wait`):
+    plan "pdl" (default on), CUDA sm_90+, not the interpreter."""
+    return (bool(plan.get("pdl", True)) and device.type == "cuda" and not interpreting() and torch.version.hip is None
+            and _sm90_or_newer(device.index))
 
 
 def _split_targets(x, out, n, num_tiles, per_split) -> tuple:
@@ -84,11 +100,13 @@ def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, 
     m, num_tiles = x.shape[0], qweight.shape[1] // WORDS_PER_TILE
     x_scaled = x.dtype == torch.bfloat16
     x_scales = scales  # unread unless X_SCALED
+    pdl = dependent_launch(plan, qweight.device)
     if x_scaled:
         x16 = torch.empty(m, k, dtype=torch.float16, device=x.device)
         x_scales = torch.empty(m, num_tiles, dtype=torch.float32, device=x.device)
         _x_to_fp16_kernel[(m, triton.cdiv(num_tiles, 8))](x, x16, x_scales, k, num_tiles, x.stride(0),
-                                                           x16.stride(0), TILES=8, num_warps=4)
+                                                           x16.stride(0), TILES=8, PDL=pdl, num_warps=4,
+                                                           launch_pdl=pdl)
         x = x16
     w_desc = bool(plan.get("tma", False))
     qw = qweight
@@ -104,10 +122,10 @@ def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, 
         INT4_GROUPS=128 // group_size if codebook is None and group_size in (32, 64) else 1,
         X_BCAST=bool(plan.get("x_bcast", False)), W_DESC=w_desc, EMULATE=interpreting(),
         # masked tiles mask x per tile (MASK_TILES); descriptor boxes are loaded in the loop, not ahead
-        **dict(flags, MASK_X=k % 128 != 0, PREFETCH=flags["PREFETCH"] and not w_desc),
+        **dict(flags, MASK_X=k % 128 != 0, PREFETCH=flags["PREFETCH"] and not w_desc), PDL=pdl, launch_pdl=pdl,
     )
     if splits > 1:
-        _reduce_splits(target, bias, out, n, plan.get("swiglu", False))
+        _reduce_splits(target, bias, out, n, plan.get("swiglu", False), pdl)
 
 
 def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
@@ -200,15 +218,17 @@ def _launch_mma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
     splits, target = _split_targets(x, out, n, num_tiles, per_split)
+    pdl = dependent_launch(plan, qweight.device)
     _mma_gemv_kernel[(triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)](
         x, qweight, scales, _or(zeros, scales), _or(codebook, scales), _or(bias, scales), target, m, n, k, num_tiles,
         per_split, x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), target.stride(0),
         GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
         NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, REPS=reps,
         TILES=tiles, MASK_K=k % 128 != 0, X_SMEM=bool(plan.get("x_smem", False)), STAGES=stages, num_warps=warps,
+        PDL=pdl, launch_pdl=pdl,
     )
     if splits > 1:
-        _reduce_splits(target, bias, out, n, False)
+        _reduce_splits(target, bias, out, n, False, pdl)
 
 
 def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None, mins=None) -> torch.Tensor:

@@ -272,7 +272,7 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                      GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, NF4: gl.constexpr,
                      HAS_BIAS: gl.constexpr,
                      PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, REPS: gl.constexpr, TILES: gl.constexpr,
-                     MASK_K: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr):
+                     MASK_K: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
     """Program (token tile of BLOCK_M = 8, 16, 32 or 64, row tile of 16 x warps x REPS, K split): K-tiles
     [split * per_split, ...) of `num_tiles`, TILES of them per iteration (their loads issued together: long
     runs of each row per request burst, as the GEMV's many tiles per iteration); with PARTIAL the fp32 sums go to
@@ -282,7 +282,7 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
     docs/design/w4a16.md E14). STAGES > 1 (x rows 16-byte aligned): a ring of STAGES slots filled by `cp.async`
     STAGES - 1 iterations ahead, holding the words, x and (groups of up to 128) the scales and zero points, so no
     load of an iteration waits in it (E15); the words then reach the A layout from shared memory. NF4: codes
-    looked up in the codebook at `cb_ptr` (no zero points)."""
+    looked up in the codebook at `cb_ptr` (no zero points). PDL: as in `gemv._gemv_h2_kernel`."""
     WARPS: gl.constexpr = gl.num_warps()
     BLOCK_N: gl.constexpr = 16 * WARPS * REPS
     RING: gl.constexpr = STAGES > 1
@@ -296,6 +296,9 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
     split = gl.program_id(2)
     tile0 = split * per_split
     tiles = gl.minimum(per_split, num_tiles - tile0)
+    if PDL:  # `common._dependent_wait`
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
 
     rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
     words_cols = gl.arange(0, 16, layout=gl.SliceLayout(0, a_layout))
@@ -387,6 +390,9 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                 words = gl.load(w_ptrs + tile * 16, mask=live, other=0)
                 acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, None, None, 0, zlo, zhi, nf4_tables, tile, i, live,
                                 rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, False, NF4)
+    if PDL:  # the next kernel may launch (`common._launch_dependents`)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     acc = acc * 16.0
     if PER_CHANNEL:
         acc = acc * gl.load(s_ptr + s_rows).to(gl.float32)[:, None]
