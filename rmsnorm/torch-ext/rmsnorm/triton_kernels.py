@@ -75,13 +75,13 @@ def _store_streamed(ptr, value, mask, EVICT_FIRST: tl.constexpr):
 # it (w4a16's decode GEMVs are launched the same way) launch once its rows are loaded. In batch-1 decode a norm is
 # one short program between two matmuls, so most of its cost is the launch gap this hides.
 @triton.jit
-def _dependent_wait(PDL: tl.constexpr):
+def _pdl_wait(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
-def _launch_dependents(PDL: tl.constexpr):
+def _pdl_launch_dependents(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -95,9 +95,9 @@ def _forward_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, PDL: tl.constexpr,
 ):
     """ROWS whole rows per program, each row held in registers: one read and one write per element. PDL: a
-    programmatic dependent of the kernel before (`_dependent_wait`), the next one let launch once the rows are
+    programmatic dependent of the kernel before (`_pdl_wait`), the next one let launch once the rows are
     loaded."""
-    _dependent_wait(PDL)
+    _pdl_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
@@ -109,7 +109,7 @@ def _forward_kernel(
         # Rounded to the activation dtype, exactly like the unfused `x + residual`.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         _store_streamed(sum_ptr + rows * sum_stride + cols[None, :], x, mask, EVICT_FIRST)
-    _launch_dependents(PDL)
+    _pdl_launch_dependents(PDL)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)[:, None]
     w = 0.0
@@ -130,7 +130,7 @@ def _forward_looped_kernel(
     """One row per program for rows wider than a register block: the first pass sums squares (and writes
     x + residual), the second re-reads the row, which the first pass left in L2. PDL as in `_forward_kernel`
     (the next kernel let launch after the first pass)."""
-    _dependent_wait(PDL)
+    _pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     sum_row = sum_ptr + row * sum_stride
@@ -147,7 +147,7 @@ def _forward_looped_kernel(
         xf = x.to(tl.float32)
         acc += xf * xf
     rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
-    _launch_dependents(PDL)
+    _pdl_launch_dependents(PDL)
     if HAS_RESIDUAL:
         # The second pass reads back the sums other threads of this program stored.
         tl.debug_barrier()

@@ -137,8 +137,8 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N,
     SWIGLU: `out` is ``[M, N // 2]``, silu(gate) * up of the summed fused rows (bias added first); it also runs
     with SPLIT = 1 on the 16-bit product of dequantize + cuBLAS (its SwiGLU epilogue). PDL: launched as a
     programmatic dependent of the split kernel."""
-    _dependent_wait(PDL)
-    _launch_dependents(PDL)
+    _pdl_wait(PDL)
+    _pdl_launch_dependents(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     if SWIGLU:
@@ -165,12 +165,12 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N,
 # programs sat waiting beside these for their whole run wherever one wave left SM slots free, and slowed them up
 # to 1.8x (docs/design/w4a16.md E18, run 54).
 @triton.jit
-def _dependent_wait(PDL: tl.constexpr):
+def _pdl_wait(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
-def _launch_dependents(PDL: tl.constexpr):
+def _pdl_launch_dependents(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()

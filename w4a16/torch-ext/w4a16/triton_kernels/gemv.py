@@ -4,7 +4,7 @@
 import triton
 import triton.language as tl
 
-from .common import _MAGIC, _MAGIC_BITS, _WORDS, _dependent_wait, _i32, _launch_dependents, _swiglu_rows, _word_tiles
+from .common import _MAGIC, _MAGIC_BITS, _WORDS, _i32, _pdl_launch_dependents, _pdl_wait, _swiglu_rows, _word_tiles
 from .nf4 import _nf4_tables, nf4_lookup_asm
 
 
@@ -359,8 +359,8 @@ def _x_to_fp16_kernel(x_ptr, xh_ptr, xs_ptr, K, num_tiles, stride_xm, stride_hm,
     largest |x| in [2^10, 2^11), so bf16's 8-bit significands convert exactly and the packed-fp16 products
     and partial sums stay finite (see _H2_ASM); ``xs`` gets the inverse scale per (row, tile). PDL: a
     programmatic dependent of the kernel before, letting the GEMV launch at once (a few programs, one short wave)."""
-    _dependent_wait(PDL)
-    _launch_dependents(PDL)
+    _pdl_wait(PDL)
+    _pdl_launch_dependents(PDL)
     m = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1) * TILES + tl.arange(0, TILES)
     cols = tile[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -399,7 +399,7 @@ def _gemv_h2_kernel(
     TMA descriptor ``qw_ptr`` over ``[rows, num_tiles, 16]`` words, boxes of [BLOCK_N, TILES, 16]).
 
     SWIGLU as in `_gemv_kernel`. PDL: launched as a programmatic dependent of the kernel before
-    (`common._dependent_wait`), the next one let launch after the K loop.
+    (`common._pdl_wait`), the next one let launch after the K loop.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -411,7 +411,7 @@ def _gemv_h2_kernel(
         w_ptrs = qw_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + col[None, None, :]
     x_row = x_ptr + m * stride_xm
     first = pid_k * tiles_per_split
-    _dependent_wait(PDL)
+    _pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
     # with float minima too: code * scale + min = (code - 8) * scale + (min + 8 scale), so the fp16 partial sums
     # stay centred (uncentred codes made them large, and the min term cancelled them: 4x the rounding error)
@@ -517,7 +517,7 @@ def _gemv_h2_kernel(
         if MASK_TILES:
             part = tl.where(live[None, :, None], part, 0.0)
         acc += part * s[:, :, None]  # a multiply by the constant 1.0 (per channel, unscaled x) folds away
-    _launch_dependents(PDL)
+    _pdl_launch_dependents(PDL)
     result = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
     if PER_CHANNEL:
         result = result * scale

@@ -50,7 +50,7 @@ def _sm90_or_newer(device_index: int) -> bool:
 
 
 def dependent_launch(plan: dict, device: torch.device) -> bool:
-    """Whether a decode kernel launches as a programmatic dependent of the kernel before (`common._dependent_wait`):
+    """Whether a decode kernel launches as a programmatic dependent of the kernel before (`common._pdl_wait`):
     plan "pdl" (default on), CUDA sm_90+, not the interpreter."""
     return (bool(plan.get("pdl", True)) and device.type == "cuda" and not interpreting() and torch.version.hip is None
             and _sm90_or_newer(device.index))

@@ -296,7 +296,7 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
     split = gl.program_id(2)
     tile0 = split * per_split
     tiles = gl.minimum(per_split, num_tiles - tile0)
-    if PDL:  # `common._dependent_wait`
+    if PDL:  # `common._pdl_wait`
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
 
@@ -390,7 +390,7 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                 words = gl.load(w_ptrs + tile * 16, mask=live, other=0)
                 acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, None, None, 0, zlo, zhi, nf4_tables, tile, i, live,
                                 rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, False, NF4)
-    if PDL:  # the next kernel may launch (`common._launch_dependents`)
+    if PDL:  # the next kernel may launch (`common._pdl_launch_dependents`)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
     acc = acc * 16.0
