@@ -80,11 +80,11 @@ def _act_order_perm(g_idx: Optional[torch.Tensor], k: int, groups: int, group_si
     if g_idx.shape[0] != k:
         raise ValueError(f"{name} must have K = {k} entries, got {g_idx.shape[0]}")
     g_idx = g_idx.long()
+    natural = torch.arange(k, device=g_idx.device) // (k if group_size == -1 else group_size)
+    if torch.equal(g_idx, natural):  # most checkpoints: one comparison (one host sync on a GPU)
+        return None
     if bool(((g_idx < 0) | (g_idx >= groups)).any()):
         raise ValueError(f"{name} values must lie in [0, {groups}) (the groups of the scales)")
-    natural = torch.arange(k, device=g_idx.device) // (k if group_size == -1 else group_size)
-    if torch.equal(g_idx, natural):
-        return None
     counts = torch.bincount(g_idx, minlength=groups)
     if bool((counts != k // groups).any()):
         raise ValueError(f"{name} must assign exactly {k // groups} input channels to each group")
@@ -116,17 +116,21 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"qzeros must have shape {(groups, -(-n // 8))} (groups from scales, N/8 packed), "
                          f"got {tuple(qzeros.shape)}")
     group_size = _group_size_for(k, groups, "scales")
-    zeros = _unpack_along_last(qzeros, n)  # [G, N]
-    if checkpoint_format == "gptq":
-        zeros = zeros + 1
     perm = _act_order_perm(g_idx, k, groups, group_size, "g_idx")
-    if sym:
-        if not bool((zeros == 8).all()):
-            found = sorted(set(zeros.unique().tolist()))[:4]
-            raise ValueError(f"sym=True expects every zero point to be 8, got values {found} with "
-                             f"checkpoint_format={checkpoint_format!r}: v1 checkpoints ('gptq') store 7, "
-                             f"v2 ('gptq_v2') store 8; pass the matching format, or sym=False")
-        zeros = None
+    stored_eight = 0x77777777 if checkpoint_format == "gptq" else -0x77777778  # every nibble 7 (v1) or 8 (v2)
+    if sym and n % 8 == 0 and torch.equal(qzeros, torch.full_like(qzeros, stored_eight)):
+        zeros = None  # checked on the packed words: no unpacking (checkpoint loading)
+    else:
+        zeros = _unpack_along_last(qzeros, n)  # [G, N]
+        if checkpoint_format == "gptq":
+            zeros = zeros + 1
+        if sym:
+            if not bool((zeros == 8).all()):
+                found = sorted(set(zeros.unique().tolist()))[:4]
+                raise ValueError(f"sym=True expects every zero point to be 8, got values {found} with "
+                                 f"checkpoint_format={checkpoint_format!r}: v1 checkpoints ('gptq') store 7, "
+                                 f"v2 ('gptq_v2') store 8; pass the matching format, or sym=False")
+            zeros = None
     if perm is None:  # the words re-laid as bytes (`pack_k_words`), no code matrix
         return from_packed(pack_k_words(qweight, (n, k)), (n, k), scales, zeros, group_size=group_size, fmt="int4",
                            dtype=scales.dtype)
