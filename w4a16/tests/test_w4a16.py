@@ -5,7 +5,9 @@ built the way GPTQ (AutoGPTQ / GPTQModel), AutoAWQ and bitsandbytes lay them out
 order, zero-point convention), independently of the importers under test.
 """
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -273,6 +275,19 @@ def test_untuned_shapes_are_logged_once(k, caplog):
     assert len(messages) == 2
     assert "1536 x 8960 on NVIDIA H200 (configs/nvidia-h200.json)" in messages[0]
     assert "no configs/some-other-gpu.json" in messages[1]
+
+
+def test_resolve_keeps_the_dependent_launch_choice(k):
+    """A config's "pdl" reaches the plan of whichever kernel it resolves to (here the packed GEMV and the dot
+    path), the tuned table keeps its one stream-ordered entry, and off the GPU no plan launches as a dependent."""
+    x16 = torch.zeros(16, 4096, dtype=torch.float16)
+    for m in (1, 16):
+        config = {**k.tuning.heuristic(m, 4096, 4096, 132), "pdl": False}
+        assert k.tuning.resolve(config, x16[:m], None, 128)["pdl"] is False
+        assert "pdl" not in k.tuning.resolve(k.tuning.heuristic(m, 4096, 4096, 132), x16[:m], None, 128)
+    table = json.loads((Path(k.__file__).parent / "configs" / "nvidia-h200.json").read_text())
+    assert table["shapes"]["4096x14336"]["16"]["pdl"] is False
+    assert not k.triton_kernels.launch.dependent_launch({"pdl": True}, x16.device)
 
 
 def test_resolve_makes_every_choice_once(k):
