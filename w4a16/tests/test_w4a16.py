@@ -5,9 +5,7 @@ built the way GPTQ (AutoGPTQ / GPTQModel), AutoAWQ and bitsandbytes lay them out
 order, zero-point convention), independently of the importers under test.
 """
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -285,7 +283,7 @@ def test_resolve_keeps_the_dependent_launch_choice(k):
         config = {**k.tuning.heuristic(m, 4096, 4096, 132), "pdl": False}
         assert k.tuning.resolve(config, x16[:m], None, 128)["pdl"] is False
         assert "pdl" not in k.tuning.resolve(k.tuning.heuristic(m, 4096, 4096, 132), x16[:m], None, 128)
-    table = json.loads((Path(k.__file__).parent / "configs" / "nvidia-h200.json").read_text())
+    table = k.tuning.table("NVIDIA H200")
     assert table["shapes"]["4096x14336"]["16"]["pdl"] is False
     assert not k.triton_kernels.launch.dependent_launch({"pdl": True}, x16.device)
 

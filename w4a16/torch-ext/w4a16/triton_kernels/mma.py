@@ -22,6 +22,7 @@ NF4 is integer-issue bound (its lookup: 44 integer instructions per 16 weights),
 
 from __future__ import annotations
 
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -296,9 +297,8 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
     split = gl.program_id(2)
     tile0 = split * per_split
     tiles = gl.minimum(per_split, num_tiles - tile0)
-    if PDL:  # `common._pdl_wait`
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+    if PDL:  # as `common._pdl_wait` (Triton's own griddepcontrol builtins run in Gluon too)
+        tl.extra.cuda.gdc_wait()
 
     rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
     words_cols = gl.arange(0, 16, layout=gl.SliceLayout(0, a_layout))
@@ -391,8 +391,7 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                 acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, None, None, 0, zlo, zhi, nf4_tables, tile, i, live,
                                 rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, False, NF4)
     if PDL:  # the next kernel may launch (`common._pdl_launch_dependents`)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        tl.extra.cuda.gdc_launch_dependents()
     acc = acc * 16.0
     if PER_CHANNEL:
         acc = acc * gl.load(s_ptr + s_rows).to(gl.float32)[:, None]
