@@ -281,6 +281,34 @@ def test_packed_gemv_plans(k, monkeypatch, plan, fmt_name, dtype):
     assert_close(out, quantized_reference(k, x, q_gate_up, q_down, kept, ids.clamp(max=E - 1)), dtype)
 
 
+DOT_OPERANDS = {  # the tl.dot kernels' operand options for int4 in whole-tile groups: (PACKED, SWAP_AB)
+    "packed-swap": (True, True), "packed": (True, False), "fp32-planes-swap": (False, True),
+    "fp32-planes": (False, False),
+}
+
+
+@pytest.mark.parametrize("operands", sorted(DOT_OPERANDS))
+@pytest.mark.parametrize("fmt_name,T,dtype", [("int4-zp-g128", 18, torch.bfloat16), ("int4-sym-g256", 9, torch.float16),
+                                              ("int4-zp-channel", 21, torch.float16)])
+def test_dot_operand_plans(k, monkeypatch, operands, fmt_name, T, dtype):
+    """The decode (T <= 16) and grouped kernels with each operand option, into a NaN-poisoned output; H and I
+    not multiples of 128 where the group allows (masked K, rows past N)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _, fmt, zero_point, group_size, H, I = FORMATS[FORMAT_IDS.index(fmt_name)]
+    E, top_k = 4, 2
+    q_gate_up, q_down = quantized_experts(k, E, H, I, fmt, zero_point, group_size, dtype)
+    x = torch.randn(T, H).to(dtype)
+    weights, ids = routing("skewed" if T > 16 else "balanced", T, E, top_k)
+    packed, swap = DOT_OPERANDS[operands]
+    tk = k.ops.triton_kernels
+    config = tk.default_config(T, E, H, I, top_k, torch.device("cpu"), quantized=True)
+    config = {key: {**v, "PACKED": packed, "SWAP_AB": swap} if isinstance(v, dict) else v for key, v in config.items()}
+    assert "GEMV" not in config
+    out = torch.full((T, H), float("nan"), dtype=dtype)
+    tk.experts(x, q_gate_up, q_down, weights, ids, out, config=config)
+    assert_close(out, quantized_reference(k, x, q_gate_up, q_down, weights, ids), dtype)
+
+
 def test_packed_gemv_cut(k):
     """The packed GEMVs take T <= 16 while (token, slot) pairs are at most 2.5 per expert (each pair streams its
     expert); past that the tl.dot decode kernels, which stream each picked expert once."""

@@ -111,6 +111,39 @@ def test_packed_gemv_plans(k, plan, name, dtype, T):
     assert rel_error(out, ref) <= TOL
 
 
+DOT_OPERANDS = {"packed-swap": (True, True), "packed": (True, False), "fp32-planes": (False, False)}
+
+
+@pytest.mark.parametrize("operands", sorted(DOT_OPERANDS))
+@pytest.mark.parametrize("name,dtype", [("int4-g128", torch.bfloat16), ("int4-zp-g128", torch.float16),
+                                        ("int4-zp-channel", torch.bfloat16)])
+@pytest.mark.parametrize("T,block_m", [(8, None), (300, 16), (300, 64), (1200, 128)])
+def test_dot_operand_plans(k, operands, name, dtype, T, block_m):
+    """The tl.dot decode / grouped kernels with int4 operands made by integer ops (PACKED) or fp32 planes, weight
+    rows as the MMA's M (SWAP_AB) or not, at each BLOCK_M; E=16, H=1920 (masked last K-tile), I=768, top-8, into
+    a NaN-poisoned output."""
+    fmt, zero_point, group_size = {**FORMATS, "int4-zp-g128": ("int4", True, 128)}[name]
+    E, H, I, top_k = 16, 1920, 768, 8
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w_gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(dtype)
+    w_down = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(dtype)
+    q_gate_up, q_down = k.quantize_experts(w_gate_up, w_down, group_size=group_size, fmt=fmt, zero_point=zero_point)
+    x = torch.randn(T, H, device="cuda", generator=g).to(dtype)
+    weights, ids = routing(T, E, top_k)
+    packed, swap = DOT_OPERANDS[operands]
+    plan = {"BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "PACKED": packed, "SWAP_AB": swap}
+    if block_m is None:
+        config = {"gate_up": {**plan, "BLOCK_N": 64}, "down": {**plan, "BLOCK_N": 64}}
+    else:
+        plan = {**plan, "BLOCK_N": 128 if block_m == 64 else 64, "GROUP_M": 8}
+        config = {"BLOCK_M": block_m, "gate_up": plan, "down": plan}
+    out = torch.full((T, H), float("nan"), device="cuda", dtype=dtype)
+    k.ops.triton_kernels.experts(x, q_gate_up, q_down, weights, ids, out, config=config)
+    ref = experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32), weights,
+                          ids)
+    assert rel_error(out, ref) <= TOL
+
+
 def test_compile_and_cuda_graph(k):
     """moe_forward with 4-bit experts under torch.compile(fullgraph=True) and replayed from a CUDA graph."""
     E, H, I, top_k = 8, 1024, 512, 2

@@ -2,6 +2,7 @@
 
     python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --out DIR [--compile-only --shard I/N]
     python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --out DIR --gemv-4bit 1 4 [--models ...] [--candidates ...]
+    python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --out DIR --dot-4bit 16 128 4096 [--models ...]
     python -m hubtools.bench.moe_dispatch_tune BUILD_DIR --configs-from docs/benchmarks/moe-dispatch-tune.json \
         --device "NVIDIA H200" --out moe-dispatch/torch-ext/moe_dispatch
 
@@ -164,18 +165,47 @@ PACKED = {  # 4-bit experts' packed-fp16 GEMV candidates (either kernel; SPLIT_K
 }
 
 
-def gemv_4bit(tk, k, names, tokens, candidates, progress=None) -> list[dict]:
-    """4-bit experts (int4 g128, bf16 activations) at GEMV token counts: each candidate of the gate/up GEMV with
-    the heuristic's down, then each down candidate with the fastest gate/up, and the kernels the same T runs
-    without the packed GEMVs; `experts` only (no router), timed as the benchmark times moe_forward, every
-    candidate's output checked against the per-expert loop first. `progress(results)` after each (model, T)."""
+def _dot_plan(n, warps, stages, packed=True, swap=True) -> dict:
+    return {"BLOCK_N": n, "BLOCK_K": 128, "num_warps": warps, "num_stages": stages, "PACKED": packed,
+            "SWAP_AB": swap}
+
+
+def _dot_config(block_m, gate_up, down) -> dict:
+    """A config of the tl.dot expert kernels (BLOCK_M None: the decode kernels, T <= DECODE_MAX_TOKENS)."""
+    config = {"gate_up": gate_up, "down": down}
+    if block_m is not None:
+        config["BLOCK_M"] = block_m
+        for key in ("gate_up", "down"):
+            config[key] = {**config[key], "GROUP_M": 8}
+    return config
+
+
+DOT_4BIT = {  # 4-bit experts' tl.dot candidates: name -> (BLOCK_M or None for the decode kernels, gate_up, down)
+    "m16-n64-w4-s3": (16, _dot_plan(64, 4, 3), _dot_plan(64, 4, 3)),
+    "m16-n128-w4-s3": (16, _dot_plan(128, 4, 3), _dot_plan(128, 4, 3)),
+    "m32-n64-w4-s3": (32, _dot_plan(64, 4, 3), _dot_plan(64, 4, 3)),
+    "m64-n64-w4-s3": (64, _dot_plan(64, 4, 3), _dot_plan(64, 4, 3)),
+    "m64-n128-w4-s3": (64, _dot_plan(128, 4, 3), _dot_plan(128, 4, 3)),
+    "m64-n128-w8-s3": (64, _dot_plan(128, 8, 3), _dot_plan(128, 8, 3)),
+    "m128-n64-w4-s3": (128, _dot_plan(64, 4, 3), _dot_plan(64, 4, 3)),
+    "m128-n128-w8-s3": (128, _dot_plan(128, 8, 3), _dot_plan(128, 8, 3)),
+    "m128-n64-w8-s4": (128, _dot_plan(64, 8, 4), _dot_plan(64, 8, 4)),
+    "dec-n64-w4-s3": (None, _dot_plan(64, 4, 3), _dot_plan(64, 4, 3)),
+    "dec-n32-w4-s3": (None, _dot_plan(32, 4, 3), _dot_plan(32, 4, 3)),
+    "dec-n128-w4-s3": (None, _dot_plan(128, 4, 3), _dot_plan(128, 4, 3)),
+    "dec-n64-w4-s4": (None, _dot_plan(64, 4, 4), _dot_plan(64, 4, 4)),
+    "dec-n64-w4-s3-noswap": (None, _dot_plan(64, 4, 3, swap=False), _dot_plan(64, 4, 3, swap=False)),
+}
+
+
+def _quant_cases(tk, k, names, tokens):
+    """(model name, T, case, call(config) -> fn(i), reference, bound seconds) for 4-bit experts (int4 g128,
+    bf16 activations): rotated layer copies and the benchmark's routed inputs; `call` runs `experts` alone."""
     from .moe_dispatch import QUANT_FORMATS, QUANT_MAX_COPIES, QuantCase, make_quantized_layers, quant_expert_bytes
     from ..measure import measure_copy_bandwidth, rotation_count
 
-    warm_clocks()
     copy_bw = measure_copy_bandwidth()
     spec = QUANT_FORMATS["int4-g128"]
-    results = []
     for name in names:
         m = MODELS[name]
         expert_bytes = quant_expert_bytes(k, m, spec)
@@ -183,45 +213,99 @@ def gemv_4bit(tk, k, names, tokens, candidates, progress=None) -> list[dict]:
         layers = make_quantized_layers(k, m, copies, spec)
         for T in tokens:
             case = QuantCase(k, m, layers, T, "int4-g128", expert_bytes, seed=T)
-            ref = case.reference(0).float()
             outs = [torch.empty_like(x) for x in case.xs]
 
-            def call(config):
+            def call(config, case=case, outs=outs):
                 def fn(i):
                     weights, ids = case.routes[i]
-                    return tk.experts(case.xs[i], layers[i].w_gate_up, layers[i].w_down, weights, ids, outs[i],
-                                      config=config)
+                    return tk.experts(case.xs[i], case.layers[i].w_gate_up, case.layers[i].w_down, weights, ids,
+                                      outs[i], config=config)
                 return fn
 
-            config = tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, torch.device("cuda"),
-                                       quantized=True, packed=True)
-            if T > tk.GEMV_MAX_TOKENS:  # the tl.dot kernels this T ran before the packed GEMVs took it
-                other = tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, torch.device("cuda"),
-                                          quantized=True)
-                results.append({"model": name, "T": T, "kernel": "both", "candidate": "tl.dot kernels",
-                                "config": other, "seconds": graph_seconds(call(other), copies),
-                                "bound": case.weight_bytes() / copy_bw})
-                print(f"{name} T={T} tl.dot kernels: {results[-1]['seconds'] * 1e6:.1f} us", flush=True)
-            for kernel in ("gate_up", "down"):
-                timed = []
-                for cand, plan in candidates.items():
-                    if kernel == "gate_up" and "SPLIT_K" in plan:
-                        continue
-                    trial = {**config, kernel: plan}
-                    err = ((call(trial)(0).float() - ref).norm() / ref.norm()).item()
-                    if not err < 2e-2:
-                        raise RuntimeError(f"{name} T={T} {kernel} {cand}: relative error {err:.3g}")
-                    timed.append((graph_seconds(call(trial), copies), trial))
-                    results.append({"model": name, "T": T, "kernel": kernel, "candidate": cand, "config": trial,
-                                    "seconds": timed[-1][0], "bound": case.weight_bytes() / copy_bw, "err": err})
-                    print(f"{name} T={T} {kernel} {cand}: {timed[-1][0] * 1e6:.1f} us "
-                          f"(bound {results[-1]['bound'] * 1e6:.1f})", flush=True)
-                config = min(timed, key=lambda tc: tc[0])[1]
-            if progress:
-                progress(results)
-            del case
+            yield name, T, copies, call, case.reference(0).float(), case.weight_bytes() / copy_bw
+            del case, outs
         del layers
         torch.cuda.empty_cache()
+
+
+def _checked_seconds(call, config, ref, copies, label) -> tuple[float, float]:
+    """(graph seconds, relative error against the per-expert loop) of one config; a wrong output stops the run."""
+    err = ((call(config)(0).float() - ref).norm() / ref.norm()).item()
+    if not err < 2e-2:
+        raise RuntimeError(f"{label}: relative error {err:.3g}")
+    return graph_seconds(call(config), copies), err
+
+
+def gemv_4bit(tk, k, names, tokens, candidates, progress=None) -> list[dict]:
+    """4-bit experts (int4 g128, bf16 activations) at GEMV token counts: each candidate of the gate/up GEMV with
+    the heuristic's down, then each down candidate with the fastest gate/up, and the kernels the same T runs
+    without the packed GEMVs; `experts` only (no router), timed as the benchmark times moe_forward, every
+    candidate's output checked against the per-expert loop first. `progress(results)` after each (model, T)."""
+    warm_clocks()
+    results = []
+    for name, T, copies, call, ref, bound in _quant_cases(tk, k, names, tokens):
+        m = MODELS[name]
+        config = tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, torch.device("cuda"),
+                                   quantized=True, packed=True)
+        if T > tk.GEMV_MAX_TOKENS:  # the tl.dot kernels this T ran before the packed GEMVs took it
+            other = tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, torch.device("cuda"),
+                                      quantized=True)
+            results.append({"model": name, "T": T, "kernel": "both", "candidate": "tl.dot kernels",
+                            "config": other, "seconds": graph_seconds(call(other), copies), "bound": bound})
+            print(f"{name} T={T} tl.dot kernels: {results[-1]['seconds'] * 1e6:.1f} us", flush=True)
+        for kernel in ("gate_up", "down"):
+            timed = []
+            for cand, plan in candidates.items():
+                if kernel == "gate_up" and "SPLIT_K" in plan:
+                    continue
+                trial = {**config, kernel: plan}
+                seconds, err = _checked_seconds(call, trial, ref, copies, f"{name} T={T} {kernel} {cand}")
+                timed.append((seconds, trial))
+                results.append({"model": name, "T": T, "kernel": kernel, "candidate": cand, "config": trial,
+                                "seconds": seconds, "bound": bound, "err": err})
+                print(f"{name} T={T} {kernel} {cand}: {seconds * 1e6:.1f} us (bound {bound * 1e6:.1f})", flush=True)
+            config = min(timed, key=lambda tc: tc[0])[1]
+        if progress:
+            progress(results)
+    return results
+
+
+def _fits(block_m, decode: bool, per_expert: float) -> bool:
+    """Whether a tl.dot candidate applies at this T: decode candidates at decode T; BLOCK_M 16-32 with at most 16
+    pairs per expert, 16-64 with at most 64, else 64-128."""
+    if decode or block_m is None:
+        return decode and block_m is None
+    return block_m in ((16, 32) if per_expert <= 16 else (16, 32, 64) if per_expert <= 64 else (64, 128))
+
+
+def dot_4bit(tk, k, names, tokens, candidates, progress=None, compile_only=False) -> list[dict]:
+    """4-bit experts (int4 g128, bf16 activations) on the tl.dot kernels (decode kernels up to DECODE_MAX_TOKENS,
+    the grouped ones above): the heuristic's config with the fp32-plane operands (PACKED and SWAP_AB off: the
+    kernels before them), the heuristic itself, and every candidate of `candidates` that fits T (`_fits`), each
+    whole config (both kernels), `experts` only, checked against the per-expert loop first. `compile_only`: the
+    checks alone (to fill Triton's cache from several processes before a timing run)."""
+    warm_clocks()
+    results = []
+    for name, T, copies, call, ref, bound in _quant_cases(tk, k, names, tokens):
+        m = MODELS[name]
+        decode = T <= tk.DECODE_MAX_TOKENS
+        heuristic = tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, torch.device("cuda"),
+                                      quantized=True)
+        plain = {key: {**v, "PACKED": False, "SWAP_AB": False} if isinstance(v, dict) else v
+                 for key, v in heuristic.items()}
+        trials = {"heuristic, fp32 planes": plain, "heuristic": heuristic}
+        trials.update({cand: _dot_config(*spec) for cand, spec in candidates.items()
+                       if _fits(spec[0], decode, T * m.top_k / m.experts)})
+        for cand, config in trials.items():
+            if compile_only:
+                call(config)(0)
+                continue
+            seconds, err = _checked_seconds(call, config, ref, copies, f"{name} T={T} {cand}")
+            results.append({"model": name, "T": T, "candidate": cand, "config": config, "seconds": seconds,
+                            "bound": bound, "err": err})
+            print(f"{name} T={T} {cand}: {seconds * 1e6:.1f} us (bound {bound * 1e6:.1f})", flush=True)
+        if progress:
+            progress(results)
     return results
 
 
@@ -259,12 +343,16 @@ def main() -> None:
     parser.add_argument("--configs-from", type=Path, help="a saved tune-results.json: only write the configs")
     parser.add_argument("--device", help="with --configs-from: the GPU it was measured on, e.g. 'NVIDIA H200'")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
-    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--compile-only", action="store_true", help="also with --dot-4bit")
     parser.add_argument("--shard", default="0/1", help="I/N: this process's share of --compile-only")
     parser.add_argument("--gemv-4bit", nargs="*", type=int, metavar="T",
                         help="time the 4-bit experts' packed GEMV candidates at these token counts instead "
                              "(writes DIR/gemv-4bit-results.json, no configs)")
-    parser.add_argument("--candidates", nargs="*", choices=sorted(PACKED), help="with --gemv-4bit: only these")
+    parser.add_argument("--dot-4bit", nargs="*", type=int, metavar="T",
+                        help="time the 4-bit experts' tl.dot candidates at these token counts instead "
+                             "(writes DIR/dot-4bit-results.json, no configs)")
+    parser.add_argument("--candidates", nargs="*", choices=sorted(PACKED) + sorted(DOT_4BIT),
+                        help="with --gemv-4bit / --dot-4bit: only these")
     args = parser.parse_args()
     if args.configs_from and not args.device:
         parser.error("--configs-from needs --device")
@@ -274,15 +362,19 @@ def main() -> None:
     k = kernels.get_local_kernel(args.build)
     tk = k.ops.triton_kernels
     env = environment()
-    if args.gemv_4bit is not None:
+    for tokens, table, sweep, stem in ((args.gemv_4bit, PACKED, gemv_4bit, "gemv-4bit"),
+                                       (args.dot_4bit, DOT_4BIT, dot_4bit, "dot-4bit")):
+        if tokens is None:
+            continue
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / "gemv-4bit-results.json"
+        path = args.out / f"{stem}-results.json"
 
         def write(results):
             path.write_text(json.dumps({"env": env, "rows": results}, indent=1) + "\n")
 
-        candidates = {name: PACKED[name] for name in args.candidates} if args.candidates else PACKED
-        write(gemv_4bit(tk, k, args.models, args.gemv_4bit or [1], candidates, progress=write))
+        candidates = {name: table[name] for name in args.candidates if name in table} if args.candidates else table
+        extra = {"compile_only": True} if args.compile_only and sweep is dot_4bit else {}
+        write(sweep(tk, k, args.models, tokens or [1], candidates, progress=write, **extra))
         return
     if args.configs_from:  # the file holds times only: the measuring run's versions are not known here
         write_configs(tk, json.loads(args.configs_from.read_text()), args.out / "configs", args.device,

@@ -36,10 +36,11 @@ def _gate_up_grouped_kernel(
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-    GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
+    GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """QUANT: 4-bit experts (BLOCK_K is then the packed tile, 128; w_ptr the packed words, s/z/m/cb_ptr their
-    scales, zero points, minima and codebook; no shared expert)."""
+    scales, zero points, minima and codebook; no shared expert); PACKED / SWAP_AB: how the dots take the
+    dequantized tile (`tiles._accumulate`, `launch._dot_flags`)."""
     pid_n, expert, rows, pairs = _grouped_tile(tl.program_id(0), num_m_blocks, I, block_expert_ptr,
                                                sorted_ids_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
@@ -55,7 +56,7 @@ def _gate_up_grouped_kernel(
         act = _swiglu_tile_q(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :], row_ok, q_base, s_base, z_base,
                              m_base, cb_ptr, g_rows, g_rows + I, n_ok, H, stride_wn, stride_sg, PRECISION, UPCAST,
                              BLOCK_M, BLOCK_N, EVEN_K, NF4, HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC,
-                             x_ptr.dtype.element_ty)
+                             PACKED, SWAP_AB, x_ptr.dtype.element_ty)
     else:
         w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed, stride_we, stride_wn, stride_sn,
                                            HAS_SHARED)
@@ -74,7 +75,7 @@ def _down_grouped_kernel(
     HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-    GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
+    GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     pid_n, expert, rows, pairs = _grouped_tile(tl.program_id(0), num_m_blocks, H, block_expert_ptr,
                                                sorted_ids_ptr, BLOCK_M, BLOCK_N, GROUP_M)
@@ -89,7 +90,7 @@ def _down_grouped_kernel(
         q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, expert, stride_we, stride_se)
         acc = _matmul_tile_q(a_ptrs, row_ok, q_base, s_base, z_base, m_base, cb_ptr, offs_n.to(tl.int64), n_ok, I,
                              stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_M, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
-                             HAS_MIN, GROUP, SCALE_ON_ACC, inter_ptr.dtype.element_ty)
+                             HAS_MIN, GROUP, SCALE_ON_ACC, PACKED, SWAP_AB, inter_ptr.dtype.element_ty)
     else:
         w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed, stride_we, stride_wn, stride_sn,
                                            HAS_SHARED)
@@ -154,6 +155,7 @@ def _gate_up_decode_kernel(
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
+    PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """QUANT: 4-bit experts, streamed once per selected expert and dequantized in registers (see the grouped kernel)."""
     e, first = _first_pick(ids_ptr, tl.program_id(0), T * TOP_K, num_experts, BLOCK_P)
@@ -168,7 +170,7 @@ def _gate_up_decode_kernel(
             g_rows = offs_n.to(tl.int64)
             act = _swiglu_tile_q(a_ptrs, t < T, q_base, s_base, z_base, m_base, cb_ptr, g_rows, g_rows + I, n_ok, H,
                                  stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_T, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
-                                 HAS_MIN, GROUP, SCALE_ON_ACC, x_ptr.dtype.element_ty)
+                                 HAS_MIN, GROUP, SCALE_ON_ACC, PACKED, SWAP_AB, x_ptr.dtype.element_ty)
         else:
             w_base, stride_n = _expert_weights(w_ptr, shared_ptr, e, num_routed, stride_we, stride_wn, stride_sn,
                                                HAS_SHARED)
@@ -189,6 +191,7 @@ def _down_decode_kernel(
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
+    PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """Down projection of one selected expert for one column block, written weighted to each slot that picked it."""
     e, first = _first_pick(ids_ptr, tl.program_id(0), T * TOP_K, num_experts, BLOCK_P)
@@ -203,7 +206,7 @@ def _down_decode_kernel(
             q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, e, stride_we, stride_se)
             acc = _matmul_tile_q(a_ptrs, hit, q_base, s_base, z_base, m_base, cb_ptr, offs_n.to(tl.int64), n_ok, I,
                                  stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_T, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
-                                 HAS_MIN, GROUP, SCALE_ON_ACC, inter_ptr.dtype.element_ty)
+                                 HAS_MIN, GROUP, SCALE_ON_ACC, PACKED, SWAP_AB, inter_ptr.dtype.element_ty)
         else:
             w_base, stride_n = _expert_weights(w_ptr, shared_ptr, e, num_routed, stride_we, stride_wn, stride_sn,
                                                HAS_SHARED)

@@ -107,6 +107,15 @@ def _weight_args(w) -> tuple[tuple, tuple, dict]:
         and (w.group_size == -1 or w.group_size >= 128))
 
 
+def _dot_flags(plan: dict, fmt: dict, dtype: torch.dtype) -> dict:
+    """The tl.dot kernels' operand options: for 4-bit int4 experts in whole-tile scale groups with 16-bit
+    activations, operands made by integer ops (PACKED, plan["PACKED"]) and the weight rows as the MMA's M
+    (SWAP_AB, plan["SWAP_AB"]), both on unless the plan says otherwise; dense weights and other formats: neither."""
+    packed = fmt["SCALE_ON_ACC"] and dtype in (torch.float16, torch.bfloat16)
+    return dict(PACKED=packed and bool(plan.get("PACKED", True)),
+                SWAP_AB=packed and bool(plan.get("SWAP_AB", True)))
+
+
 def _gemv_format(fmt: dict) -> dict:
     """The format constexprs the GEMV kernels take (they scale per group themselves: no SCALE_ON_ACC)."""
     return {**{key: fmt[key] for key in ("NF4", "HAS_ZERO", "HAS_MIN", "GROUP")},
@@ -255,6 +264,7 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                 hidden_states.stride(0), *gu_strides[:2], shared_gu.stride(-2), *gu_strides[2:], inter.stride(0),
                 BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=H % up["BLOCK_K"] == 0,
                 num_warps=up["num_warps"], num_stages=up["num_stages"], **common, **gu_format,
+                **_dot_flags(up, gu_format, hidden_states.dtype),
             )
             _down_decode_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]))](
                 inter, _words(w_down), shared_dn, *dn_ptrs, pair_out, topk_ids, topk_weights,
@@ -262,6 +272,7 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                 inter.stride(0), *dn_strides[:2], shared_dn.stride(-2), *dn_strides[2:], pair_out.stride(0),
                 BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], EVEN_K=intermediate % down["BLOCK_K"] == 0,
                 num_warps=down["num_warps"], num_stages=down["num_stages"], **common, **dn_format,
+                **_dot_flags(down, dn_format, hidden_states.dtype),
             )
         else:
             block_m = config["BLOCK_M"]
@@ -287,7 +298,7 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                 hidden_states.stride(0), *gu_strides[:2], shared_gu.stride(-2), *gu_strides[2:], inter.stride(0),
                 TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], GROUP_M=up["GROUP_M"],
                 EVEN_K=H % up["BLOCK_K"] == 0, num_warps=up["num_warps"], num_stages=up["num_stages"], **common,
-                **gu_format,
+                **gu_format, **_dot_flags(up, gu_format, hidden_states.dtype),
             )
             _down_grouped_kernel[(max_blocks * triton.cdiv(H, down["BLOCK_N"]),)](
                 inter, _words(w_down), shared_dn, *dn_ptrs, pair_out, sorted_ids, block_expert, topk_weights,
@@ -296,6 +307,7 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                 BLOCK_M=block_m, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], GROUP_M=down["GROUP_M"],
                 EVEN_K=intermediate % down["BLOCK_K"] == 0, num_warps=down["num_warps"],
                 num_stages=down["num_stages"], **common, **dn_format,
+                **_dot_flags(down, dn_format, hidden_states.dtype),
             )
         block_h = min(1024, triton.next_power_of_2(H))
         splits = pair_out.shape[0] if pair_out.dim() == 3 else 1

@@ -128,15 +128,59 @@ def _natural_order(p0, p1, p2, p3, p4, p5, p6, p7):
     return tl.reshape(tl.permute(planes, (0, 4, 3, 2, 1)), (planes.shape[0], 128))
 
 
+# Packed operands (int4 without minima, one scale group per tile, 16-bit activations: `PACKED`): a nibble shifted
+# into the top 4 mantissa bits of 1.0 (fp16 0x3C00: bits 6-9; bf16 0x3F80: bits 3-6) reads as exactly
+# 1 + code / 16, and nibbles j and j + 4 of a word sit in the two 16-bit halves, so one shift and one mask-and-OR
+# make two operands with no int -> float conversion; subtracting 1 + zero / 16 gives (code - zero) / 16 exactly
+# (at most 5 significant bits), and the factor 16 rides on the tile's scale. w4a16's tensor-core path makes its
+# operands the same way (fewer instructions per weight than the fp32 planes at every token count it measured).
+@triton.jit
+def _unit_pair(w, SHIFT: tl.constexpr, BF16: tl.constexpr):
+    """Planes j and j + 4 of each word as 1 + code / 16 (SHIFT = 4 j - the mantissa position of the nibble)."""
+    if SHIFT >= 0:
+        t = w >> SHIFT
+    else:
+        t = w << -SHIFT
+    if BF16:
+        t = (t & 0x00780078) | 0x3F803F80
+        dtype = tl.bfloat16
+    else:
+        t = (t & 0x03C003C0) | 0x3C003C00
+        dtype = tl.float16
+    return t.to(tl.int16).to(dtype, bitcast=True), (t >> 16).to(tl.int16).to(dtype, bitcast=True)
+
+
+@triton.jit
+def _packed_planes(w, unit_zero, DTYPE: tl.constexpr):
+    """A [BLOCK_N, 16] word tile as one [BLOCK_N, 128] tile of (code - zero) / 16 in K order (DTYPE fp16 / bf16)."""
+    bf16: tl.constexpr = DTYPE == tl.bfloat16
+    p0, p4 = _unit_pair(w, -3 if bf16 else -6, bf16)
+    p1, p5 = _unit_pair(w, 1 if bf16 else -2, bf16)
+    p2, p6 = _unit_pair(w, 5 if bf16 else 2, bf16)
+    p3, p7 = _unit_pair(w, 9 if bf16 else 6, bf16)
+    return _natural_order(p0 - unit_zero, p1 - unit_zero, p2 - unit_zero, p3 - unit_zero,
+                          p4 - unit_zero, p5 - unit_zero, p6 - unit_zero, p7 - unit_zero)
+
+
 @triton.jit
 def _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, rows, n_ok, tile, stride_qn, stride_sg,
                   NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
-                  SCALE_ON_ACC: tl.constexpr, DTYPE: tl.constexpr):
-    """Rows `rows` (int64; rows outside n_ok read as zero) of one expert's K-tile `tile` as a [BLOCK_N, 128]
-    tile of DTYPE in K order: 16 words per row (four 128-bit loads), streamed once (evicted first)."""
+                  SCALE_ON_ACC: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, DTYPE: tl.constexpr):
+    """Rows `rows` (int64; rows outside n_ok read as zero words) of one expert's K-tile `tile` as a [BLOCK_N, 128]
+    tile of DTYPE in K order: 16 words per row (four 128-bit loads), streamed once (evicted first). PACKED: the
+    values are (code - zero) / 16 (`_packed_planes`; `_accumulate` puts the 16 on the scale), made in fp16 under
+    UPCAST (the interpreter: its bf16 bitcasts do not read bf16 bits) and converted exactly."""
     col = tl.arange(0, _WORDS)
     w = tl.load(q_base + rows[:, None] * stride_qn + tile * _WORDS + col[None, :], mask=n_ok[:, None], other=0,
                 eviction_policy="evict_first")
+    if PACKED:
+        planes: tl.constexpr = tl.float16 if UPCAST else DTYPE
+        if HAS_ZERO:
+            zero = tl.load(z_base + _group_offs(rows, tile, stride_sg, GROUP), mask=n_ok, other=0)
+            unit_zero = (1.0 + zero.to(tl.float32) * 0.0625).to(planes)[:, None]  # exact: 1 + z / 16
+        else:
+            unit_zero = tl.full([1, 1], 1.5, planes)  # symmetric: 1 + 8 / 16
+        return _packed_planes(w, unit_zero, planes).to(DTYPE)
     return _natural_order(
         _plane(w, tile, rows, n_ok, s_base, z_base, m_base, cb_ptr, stride_sg, 0, NF4, HAS_ZERO, HAS_MIN,
                GROUP, SCALE_ON_ACC).to(DTYPE),
@@ -157,34 +201,75 @@ def _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, rows, n_ok, tile, stri
 
 
 @triton.jit
+def _group_offs(rows, tile, stride_sg, GROUP: tl.constexpr):
+    """Offsets of the group parameters (scales, zero points) of K-tile `tile` (one group spans it)."""
+    if GROUP == -1:
+        return rows
+    return tl.cast(tile // (GROUP // 128), tl.int64) * stride_sg + rows
+
+
+@triton.jit
 def _tile_scales(s_base, rows, n_ok, tile, stride_sg, GROUP: tl.constexpr):
     """[BLOCK_N] fp32 scales of K-tile `tile` (one group spans it)."""
-    if GROUP == -1:
-        offs = rows
-    else:
-        offs = tl.cast(tile // (GROUP // 128), tl.int64) * stride_sg + rows
-    return tl.load(s_base + offs, mask=n_ok, other=0.0).to(tl.float32)
+    return tl.load(s_base + _group_offs(rows, tile, stride_sg, GROUP), mask=n_ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _accumulate(a, w, acc, s_base, rows, n_ok, tile, stride_sg, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
-                PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a @ w^T for a dequantized [BLOCK_N, 128] tile w; SCALE_ON_ACC: w holds unscaled integers, and the
-    tile's product is scaled here, per output column, before it is added."""
-    if SCALE_ON_ACC:
-        part = _dot(a, tl.trans(w), tl.zeros(acc.shape, dtype=tl.float32), PRECISION, UPCAST)
-        return acc + part * _tile_scales(s_base, rows, n_ok, tile, stride_sg, GROUP)[None, :]
-    return _dot(a, tl.trans(w), acc, PRECISION, UPCAST)
+                PACKED: tl.constexpr, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ w^T for a dequantized [BLOCK_N, 128] tile w ([BLOCK_M, BLOCK_N]); SWAP_AB: acc + w @ a^T
+    ([BLOCK_N, BLOCK_M]: the weight rows fill the MMA's M, and the dequantized operand is the one taken from
+    registers). SCALE_ON_ACC: w holds unscaled integers (PACKED: divided by 16), and the tile's product is
+    scaled here, per weight row, before it is added."""
+    # if / else with one return: Triton compiles the statements after a constexpr if's return too
+    if SWAP_AB:
+        if SCALE_ON_ACC:
+            part = _dot(w, tl.trans(a), tl.zeros(acc.shape, dtype=tl.float32), PRECISION, UPCAST)
+            scale = _tile_scales(s_base, rows, n_ok, tile, stride_sg, GROUP)
+            if PACKED:
+                scale = scale * 16.0
+            acc = acc + part * scale[:, None]
+        else:
+            acc = _dot(w, tl.trans(a), acc, PRECISION, UPCAST)
+    else:
+        if SCALE_ON_ACC:
+            part = _dot(a, tl.trans(w), tl.zeros(acc.shape, dtype=tl.float32), PRECISION, UPCAST)
+            scale = _tile_scales(s_base, rows, n_ok, tile, stride_sg, GROUP)
+            if PACKED:
+                scale = scale * 16.0
+            acc = acc + part * scale[None, :]
+        else:
+            acc = _dot(a, tl.trans(w), acc, PRECISION, UPCAST)
+    return acc
+
+
+@triton.jit
+def _acc_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    if SWAP_AB:  # one return (see `_accumulate`)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _acc_rows_first(acc, SWAP_AB: tl.constexpr):
+    """An accumulator as [BLOCK_M, BLOCK_N] (token rows first)."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    return acc
 
 
 @triton.jit
 def _swiglu_tile_q(a_ptrs, a_ok, q_base, s_base, z_base, m_base, cb_ptr, g_rows, u_rows, n_ok, K, stride_qn,
                    stride_sg, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr,
-                   HAS_MIN: tl.constexpr, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr, DTYPE: tl.constexpr):
-    """`_swiglu_tile` on 4-bit weights: `a_ptrs` [BLOCK_M, 128] at K-column 0, gate / up rows `g_rows` / `u_rows`."""
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                   HAS_MIN: tl.constexpr, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr, PACKED: tl.constexpr,
+                   SWAP_AB: tl.constexpr, DTYPE: tl.constexpr):
+    """`_swiglu_tile` on 4-bit weights: `a_ptrs` [BLOCK_M, 128] at K-column 0, gate / up rows `g_rows` / `u_rows`;
+    returns [BLOCK_M, BLOCK_N]."""
+    acc_g = _acc_init(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_u = _acc_init(BLOCK_M, BLOCK_N, SWAP_AB)
     offs_k = tl.arange(0, _TILE)
     for tile in range(0, tl.cdiv(K, _TILE)):
         if EVEN_K:
@@ -193,24 +278,25 @@ def _swiglu_tile_q(a_ptrs, a_ok, q_base, s_base, z_base, m_base, cb_ptr, g_rows,
             a = tl.load(a_ptrs, mask=a_ok[:, None] & (offs_k + tile * _TILE < K)[None, :], other=0.0)
         # gate, then up: one dequantized tile live at a time
         g = _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, g_rows, n_ok, tile, stride_qn, stride_sg, NF4,
-                          HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC, DTYPE)
-        acc_g = _accumulate(a, g, acc_g, s_base, g_rows, n_ok, tile, stride_sg, GROUP, SCALE_ON_ACC, PRECISION,
-                            UPCAST)
+                          HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC, PACKED, UPCAST, DTYPE)
+        acc_g = _accumulate(a, g, acc_g, s_base, g_rows, n_ok, tile, stride_sg, GROUP, SCALE_ON_ACC, PACKED,
+                            SWAP_AB, PRECISION, UPCAST)
         u = _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, u_rows, n_ok, tile, stride_qn, stride_sg, NF4,
-                          HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC, DTYPE)
-        acc_u = _accumulate(a, u, acc_u, s_base, u_rows, n_ok, tile, stride_sg, GROUP, SCALE_ON_ACC, PRECISION,
-                            UPCAST)
+                          HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC, PACKED, UPCAST, DTYPE)
+        acc_u = _accumulate(a, u, acc_u, s_base, u_rows, n_ok, tile, stride_sg, GROUP, SCALE_ON_ACC, PACKED,
+                            SWAP_AB, PRECISION, UPCAST)
         a_ptrs += _TILE
-    return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    return _acc_rows_first(acc_g / (1.0 + tl.exp(-acc_g)) * acc_u, SWAP_AB)
 
 
 @triton.jit
 def _matmul_tile_q(a_ptrs, a_ok, q_base, s_base, z_base, m_base, cb_ptr, rows, n_ok, K, stride_qn, stride_sg,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    EVEN_K: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                   GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr, DTYPE: tl.constexpr):
-    """`_matmul_tile` on 4-bit weights."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                   GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
+                   DTYPE: tl.constexpr):
+    """`_matmul_tile` on 4-bit weights; returns [BLOCK_M, BLOCK_N]."""
+    acc = _acc_init(BLOCK_M, BLOCK_N, SWAP_AB)
     offs_k = tl.arange(0, _TILE)
     for tile in range(0, tl.cdiv(K, _TILE)):
         if EVEN_K:
@@ -218,10 +304,11 @@ def _matmul_tile_q(a_ptrs, a_ok, q_base, s_base, z_base, m_base, cb_ptr, rows, n
         else:
             a = tl.load(a_ptrs, mask=a_ok[:, None] & (offs_k + tile * _TILE < K)[None, :], other=0.0)
         b = _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, rows, n_ok, tile, stride_qn, stride_sg, NF4,
-                          HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC, DTYPE)
-        acc = _accumulate(a, b, acc, s_base, rows, n_ok, tile, stride_sg, GROUP, SCALE_ON_ACC, PRECISION, UPCAST)
+                          HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC, PACKED, UPCAST, DTYPE)
+        acc = _accumulate(a, b, acc, s_base, rows, n_ok, tile, stride_sg, GROUP, SCALE_ON_ACC, PACKED, SWAP_AB,
+                          PRECISION, UPCAST)
         a_ptrs += _TILE
-    return acc
+    return _acc_rows_first(acc, SWAP_AB)
 
 
 @triton.jit
