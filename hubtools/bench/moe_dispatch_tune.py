@@ -190,7 +190,15 @@ DOT_4BIT = {  # 4-bit experts' tl.dot candidates: name -> (BLOCK_M or None for t
     "m128-n64-w4-s3": (128, _dot_plan(64, 4, 3), _dot_plan(64, 4, 3)),
     "m128-n128-w8-s3": (128, _dot_plan(128, 8, 3), _dot_plan(128, 8, 3)),
     "m128-n64-w8-s4": (128, _dot_plan(64, 8, 4), _dot_plan(64, 8, 4)),
+    "m32-n128-w8-s3": (32, _dot_plan(128, 8, 3), _dot_plan(128, 8, 3)),
+    "m64-gu64w4s4-dn64w4s4": (64, _dot_plan(64, 4, 4), _dot_plan(64, 4, 4)),
+    "m64-gu64w4s3-dn128w8s3": (64, _dot_plan(64, 4, 3), _dot_plan(128, 8, 3)),
+    "m64-gu64w4s3-dn128w4s3": (64, _dot_plan(64, 4, 3), _dot_plan(128, 4, 3)),
+    "m64-gu64w4s3-dn256w8s3": (64, _dot_plan(64, 4, 3), _dot_plan(256, 8, 3)),
+    "m64-gu64w4s2-dn64w4s3": (64, _dot_plan(64, 4, 2), _dot_plan(64, 4, 3)),
+    "m128-gu64w4s3-dn128w8s3": (128, _dot_plan(64, 4, 3), _dot_plan(128, 8, 3)),
     "dec-n64-w4-s3": (None, _dot_plan(64, 4, 3), _dot_plan(64, 4, 3)),
+    "dec-n128-w8-s3": (None, _dot_plan(128, 8, 3), _dot_plan(128, 8, 3)),
     "dec-n32-w4-s3": (None, _dot_plan(32, 4, 3), _dot_plan(32, 4, 3)),
     "dec-n128-w4-s3": (None, _dot_plan(128, 4, 3), _dot_plan(128, 4, 3)),
     "dec-n64-w4-s4": (None, _dot_plan(64, 4, 4), _dot_plan(64, 4, 4)),
@@ -280,8 +288,9 @@ def _fits(block_m, decode: bool, per_expert: float) -> bool:
 
 def dot_4bit(tk, k, names, tokens, candidates, progress=None, compile_only=False) -> list[dict]:
     """4-bit experts (int4 g128, bf16 activations) on the tl.dot kernels (decode kernels up to DECODE_MAX_TOKENS,
-    the grouped ones above): the heuristic's config with the fp32-plane operands (PACKED and SWAP_AB off: the
-    kernels before them), the heuristic itself, and every candidate of `candidates` that fits T (`_fits`), each
+    the grouped ones above): the tl.dot heuristic of formats without packed operands, with PACKED and SWAP_AB off
+    (these kernels as they were before them), what `experts` runs by default (the packed GEMVs where they
+    apply), and every candidate of `candidates` that fits T (`_fits`), each
     whole config (both kernels), `experts` only, checked against the per-expert loop first. `compile_only`: the
     checks alone (to fill Triton's cache from several processes before a timing run)."""
     warm_clocks()
@@ -289,11 +298,13 @@ def dot_4bit(tk, k, names, tokens, candidates, progress=None, compile_only=False
     for name, T, copies, call, ref, bound in _quant_cases(tk, k, names, tokens):
         m = MODELS[name]
         decode = T <= tk.DECODE_MAX_TOKENS
-        heuristic = tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, torch.device("cuda"),
-                                      quantized=True)
-        plain = {key: {**v, "PACKED": False, "SWAP_AB": False} if isinstance(v, dict) else v
-                 for key, v in heuristic.items()}
-        trials = {"heuristic, fp32 planes": plain, "heuristic": heuristic}
+        cuda = torch.device("cuda")
+        fp32_planes = {key: {**v, "PACKED": False, "SWAP_AB": False} if isinstance(v, dict) else v
+                       for key, v in tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, cuda,
+                                                       quantized=True).items()}
+        trials = {"tl.dot, fp32 planes": fp32_planes,
+                  "default": tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, cuda, quantized=True,
+                                               packed=True)}
         trials.update({cand: _dot_config(*spec) for cand, spec in candidates.items()
                        if _fits(spec[0], decode, T * m.top_k / m.experts)})
         for cand, config in trials.items():

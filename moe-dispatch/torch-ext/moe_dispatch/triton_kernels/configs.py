@@ -85,7 +85,8 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
             plan = {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 8, "num_warps": 2, "num_stages": 3, "X_BCAST": True,
                     "TMA": True, "PDL": True}
             return {"GEMV": True, "gate_up": plan, "down": plan}
-    elif quantized and tokens <= GEMV_MAX_TOKENS:
+        return _packed_dot_config(tokens, num_experts, hidden, intermediate, top_k)
+    if quantized and tokens <= GEMV_MAX_TOKENS:
         # The best of a sweep on the H200 (BLOCK_N 8-32, TILES 2-4, 1 or 3 stages; Mixtral, DeepSeek-V3, Qwen3-30B
         # at T=1, docs/design/moe-dispatch.md): every config within ~6 % of these, so the kernels are bound by
         # their instructions, not by the block sizes
@@ -130,6 +131,22 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
         "down": {"BLOCK_N": _pow2_at_most(hidden, down_n), "BLOCK_K": _pow2_at_most(intermediate, down_k),
                  "GROUP_M": 8, "num_warps": down_warps, "num_stages": down_stages},
     }
+
+
+def _packed_dot_config(tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int) -> dict:
+    """The tl.dot kernels' heuristic for 4-bit formats with PACKED / SWAP_AB operands (`launch._dot_flags`): 64
+    weight rows per program (the wgmma's M with the weight rows as M: fewer leave it part-empty, more need 8 warps,
+    which each dequantize the whole tile), 4 warps, 3 stages; BLOCK_M as the pairs per expert need, at most 64.
+    On the H200 (run 59, docs/design/moe-dispatch.md) the fastest of 5-8 candidates, or within 1 % of it, at each of
+    T = 16 / 128 / 4096 for Mixtral-8x7B and T = 128 / 4096 for DeepSeek-V3 and Qwen3-30B-A3B."""
+    plan = {"BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    up = {**plan, "BLOCK_N": _pow2_at_most(intermediate, 64)}
+    down = {**plan, "BLOCK_N": _pow2_at_most(hidden, 64)}
+    if tokens <= DECODE_MAX_TOKENS:
+        return {"gate_up": up, "down": down}
+    per_expert = tokens * top_k / num_experts
+    return {"BLOCK_M": next((m for m in (16, 32) if per_expert <= m), 64),
+            "gate_up": {**up, "GROUP_M": 8}, "down": {**down, "GROUP_M": 8}}
 
 
 def get_config(tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int,
