@@ -309,6 +309,49 @@ def test_dot_operand_plans(k, monkeypatch, operands, fmt_name, T, dtype):
     assert_close(out, quantized_reference(k, x, q_gate_up, q_down, weights, ids), dtype)
 
 
+@pytest.mark.parametrize("fmt_name,dtype,chunk_experts", [
+    ("int4-zp-g64", torch.bfloat16, 1), ("nf4-g64", torch.float16, 3), ("int4-min-g32", torch.float32, 2),
+    ("int4-sym-g256", torch.bfloat16, 6), ("int4-zp-channel", torch.float16, 1)])
+def test_dequantize_first(k, monkeypatch, fmt_name, dtype, chunk_experts):
+    """At many pairs per expert the experts are dequantized (chunks of experts into reused buffers) and run by
+    the bf16 grouped kernels: every format, chunks of one expert to all, empty experts, into a NaN-poisoned output."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tk = k.ops.triton_kernels
+    _, fmt, zero_point, group_size, H, I = FORMATS[FORMAT_IDS.index(fmt_name)]
+    E, top_k, T = 6, 2, 20
+    q_gate_up, q_down = quantized_experts(k, E, H, I, fmt, zero_point, group_size, dtype)
+    per_expert = (2 * I * H + H * I) * dtype.itemsize
+    monkeypatch.setattr(tk.launch, "DEQUANT_CHUNK_BYTES", chunk_experts * per_expert)
+    monkeypatch.setattr(tk.launch, "DEQUANT_MIN_PAIRS", 2)  # 40 pairs on 6 experts: past it
+    chunks = []
+    dequantized = tk.launch._dequantized_experts
+
+    def counted(*args):
+        for lo, gu, dn in dequantized(*args):
+            chunks.append((lo, gu.shape[0]))
+            yield lo, gu, dn
+
+    monkeypatch.setattr(tk.launch, "_dequantized_experts", counted)
+    x = torch.randn(T, H).to(dtype)
+    weights, ids = routing("empty", T, E, top_k)
+    out = torch.full((T, H), float("nan"), dtype=dtype)
+    tk.experts(x, q_gate_up, q_down, weights, ids, out)
+    assert chunks == [(lo, min(chunk_experts, E - lo)) for lo in range(0, E, chunk_experts)]
+    assert_close(out, quantized_reference(k, x, q_gate_up, q_down, weights, ids), dtype)
+
+
+def test_dequantize_kernel_matches_dequantize(k, monkeypatch):
+    """The dequantize kernel's experts are `dequantize`'s, bit for bit (one fp32 product, one rounding)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name in ("int4-zp-g64", "nf4-g64", "int4-zp-channel"):
+        _, fmt, zero_point, group_size, H, I = FORMATS[FORMAT_IDS.index(name)]
+        q_gate_up, q_down = quantized_experts(k, 3, H, I, fmt, zero_point, group_size, torch.float16)
+        ((lo, gu, dn),) = list(k.ops.triton_kernels.launch._dequantized_experts(q_gate_up, q_down, torch.float16))
+        assert lo == 0
+        assert torch.equal(gu, k.dequantize(q_gate_up, torch.float16)), name
+        assert torch.equal(dn, k.dequantize(q_down, torch.float16)), name
+
+
 def test_packed_gemv_cut(k):
     """The packed GEMVs take T <= 16 while (token, slot) pairs are at most 2.5 per expert (each pair streams its
     expert); past that the tl.dot decode kernels, which stream each picked expert once."""

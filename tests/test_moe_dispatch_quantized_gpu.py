@@ -144,6 +144,28 @@ def test_dot_operand_plans(k, operands, name, dtype, T, block_m):
     assert rel_error(out, ref) <= TOL
 
 
+@pytest.mark.parametrize("name,dtype", [("int4-g128", torch.bfloat16), ("nf4-g64", torch.float16)])
+def test_dequantize_first(k, monkeypatch, name, dtype):
+    """Many pairs per expert: the experts dequantized in chunks of 3 (6 chunks, the last one short) and run by the
+    bf16 grouped kernels; E=16, H=1920, I=768, T=1200, top-8 (600 pairs per expert), NaN-poisoned output."""
+    fmt, zero_point, group_size = FORMATS[name]
+    E, H, I, T, top_k = 16, 1920, 768, 1200, 8
+    tk = k.ops.triton_kernels
+    assert T * top_k >= tk.DEQUANT_MIN_PAIRS * E
+    monkeypatch.setattr(tk.launch, "DEQUANT_CHUNK_BYTES", 3 * (2 * I * H + H * I) * dtype.itemsize)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w_gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(dtype)
+    w_down = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(dtype)
+    q_gate_up, q_down = k.quantize_experts(w_gate_up, w_down, group_size=group_size, fmt=fmt, zero_point=zero_point)
+    x = torch.randn(T, H, device="cuda", generator=g).to(dtype)
+    weights, ids = routing(T, E, top_k)
+    out = torch.full((T, H), float("nan"), device="cuda", dtype=dtype)
+    tk.experts(x, q_gate_up, q_down, weights, ids, out)
+    ref = experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32), weights,
+                          ids)
+    assert rel_error(out, ref) <= TOL
+
+
 def test_compile_and_cuda_graph(k):
     """moe_forward with 4-bit experts under torch.compile(fullgraph=True) and replayed from a CUDA graph."""
     E, H, I, top_k = 8, 1024, 512, 2

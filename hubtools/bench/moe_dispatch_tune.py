@@ -290,7 +290,8 @@ def dot_4bit(tk, k, names, tokens, candidates, progress=None, compile_only=False
     """4-bit experts (int4 g128, bf16 activations) on the tl.dot kernels (decode kernels up to DECODE_MAX_TOKENS,
     the grouped ones above): the tl.dot heuristic of formats without packed operands, with PACKED and SWAP_AB off
     (these kernels as they were before them), what `experts` runs by default (the packed GEMVs where they
-    apply), and every candidate of `candidates` that fits T (`_fits`), each
+    apply), above the decode cut the bf16 grouped kernels on experts dequantized first, and every candidate of
+    `candidates` that fits T (`_fits`), each
     whole config (both kernels), `experts` only, checked against the per-expert loop first. `compile_only`: the
     checks alone (to fill Triton's cache from several processes before a timing run)."""
     warm_clocks()
@@ -305,6 +306,9 @@ def dot_4bit(tk, k, names, tokens, candidates, progress=None, compile_only=False
         trials = {"tl.dot, fp32 planes": fp32_planes,
                   "default": tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, cuda, quantized=True,
                                                packed=True)}
+        if not decode:  # the 16-bit grouped kernels on experts dequantized first (their tuned table)
+            trials["dequantize first"] = {"DEQUANT": True, **tk.get_config(T, m.experts, m.hidden, m.intermediate,
+                                                                           m.top_k, torch.bfloat16, cuda)}
         trials.update({cand: _dot_config(*spec) for cand, spec in candidates.items()
                        if _fits(spec[0], decode, T * m.top_k / m.experts)})
         for cand, config in trials.items():

@@ -20,18 +20,19 @@ operand of the same tl.dot. At a few tokens GEMVs replace the two decode kernels
 per (token, slot) pair and block of rows): `_gate_up_h2_kernel` / `_down_h2_kernel` (packed-fp16 arithmetic,
 TMA rings; int4 in groups of >= 128 columns or per channel, 16-bit activations, T <= PACKED_GEMV_MAX_TOKENS),
 else `_gate_up_gemv_kernel` / `_down_gemv_kernel` (fp32, T <= GEMV_MAX_TOKENS); a down GEMV split over K
-leaves fp32 partial sums that the combine adds. No shared expert rides along with 4-bit experts (the op adds a
-dense one after).
+leaves fp32 partial sums that the combine adds. From DEQUANT_MIN_PAIRS (token, slot) pairs per expert the
+experts are instead dequantized once (`_dequantize_kernel`, chunks of experts into reused 16-bit buffers) and the
+grouped kernels run as for 16-bit experts, one pair of launches per chunk. No shared expert rides along with
+4-bit experts (the op adds a dense one after).
 
 Buffers are sized by upper bounds known from shapes: the padded pair count is at most
 (T*k // BLOCK_M + min(E, T*k)) * BLOCK_M <= T*k + E*(BLOCK_M-1). A shared expert of the routed experts'
 intermediate size rides along as expert E in an extra top-k slot of weight 1.
 """
 
-from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, GEMV_MAX_TOKENS, PACKED_GEMV_MAX_TOKENS, config_path,
-                      default_config,
-                      get_config)
+from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_MIN_PAIRS, GEMV_MAX_TOKENS, PACKED_GEMV_MAX_TOKENS,
+                      config_path, default_config, get_config)
 from .launch import experts, moe_forward, packed_gemv, route
 
-__all__ = ["CHUNK_TOKENS", "DECODE_MAX_TOKENS", "GEMV_MAX_TOKENS", "PACKED_GEMV_MAX_TOKENS", "config_path",
+__all__ = ["CHUNK_TOKENS", "DECODE_MAX_TOKENS", "DEQUANT_MIN_PAIRS", "GEMV_MAX_TOKENS", "PACKED_GEMV_MAX_TOKENS", "config_path",
            "default_config", "experts", "get_config", "moe_forward", "packed_gemv", "route"]

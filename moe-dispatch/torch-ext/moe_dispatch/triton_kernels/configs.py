@@ -14,6 +14,14 @@ DECODE_MAX_TOKENS = 16  # up to this many tokens one 16-row tile holds them all:
 GEMV_MAX_TOKENS = 4  # 4-bit experts up to this many tokens: the GEMV kernels (gemv.py)
 PACKED_GEMV_MAX_TOKENS = 16  # the same for formats of the packed-fp16 GEMVs (`launch.packed_gemv`)
 CHUNK_TOKENS = 64  # tokens per routing chunk; the sort places one chunk per program
+# 4-bit experts from this many (token, slot) pairs per expert: dequantized once into 16-bit experts (chunks of
+# at most DEQUANT_CHUNK_BYTES), then the bf16 grouped kernels, instead of dequantizing in every token block's K
+# loop. On the H200 the K-loop dequantization cost ~0.12 ps per weight and 64-token block over the bf16 kernels
+# (run 61: Mixtral-8x7B and Qwen3-30B-A3B at T = 4096), dequantizing first ~0.7 ps per weight (2.5 bytes of
+# traffic): even at ~6 blocks, ~400 pairs (docs/design/moe-dispatch.md).
+DEQUANT_MIN_PAIRS = 512
+DEQUANT_CHUNK_BYTES = 1 << 30
+DEQUANT_BLOCK_N = 64  # weight rows per program of the dequantize kernel
 CONFIG_DIR = Path(__file__).parent.parent / "configs"
 logger = logging.getLogger(__name__)
 

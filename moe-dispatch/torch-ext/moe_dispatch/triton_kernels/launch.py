@@ -11,10 +11,10 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quantized import QuantizedExperts
-from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, _for_dtype, _for_weights, default_config,
-                      get_config)
-from .experts import (_combine_kernel, _down_decode_kernel, _down_grouped_kernel, _gate_up_decode_kernel,
-                      _gate_up_grouped_kernel)
+from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_BLOCK_N, DEQUANT_CHUNK_BYTES, DEQUANT_MIN_PAIRS,
+                      _for_dtype, _for_weights, default_config, get_config)
+from .experts import (_combine_kernel, _dequantize_kernel, _down_decode_kernel, _down_grouped_kernel,
+                      _gate_up_decode_kernel, _gate_up_grouped_kernel)
 from .gemv import _down_gemv_kernel, _down_h2_kernel, _gate_up_gemv_kernel, _gate_up_h2_kernel
 from .routing import _align_kernel, _histogram_kernel, _route_kernel
 from .tiles import SCALE_ON_ACC
@@ -213,6 +213,28 @@ def _h2_flags(plan: dict, x_dtype: torch.dtype, k: int, per_split: int, fmt: dic
                 EMULATE=_interpreting(), num_warps=plan["num_warps"])
 
 
+def _dequantized_experts(w_gate_up: QuantizedExperts, w_down: QuantizedExperts, dtype: torch.dtype):
+    """(first expert, gate_up [E', 2I, H], down [E', H, I]) per chunk of experts, dequantized into `dtype` in two
+    buffers of at most DEQUANT_CHUNK_BYTES together (reused chunk after chunk; at least one expert)."""
+    experts_, (n_gu, k_gu), (n_dn, k_dn) = w_down.num_experts, w_gate_up.shape, w_down.shape
+    per_expert = (n_gu * k_gu + n_dn * k_dn) * dtype.itemsize
+    chunk = max(1, min(experts_, DEQUANT_CHUNK_BYTES // per_expert))
+    device = w_down.qweight.device
+    gu = torch.empty(chunk, n_gu, k_gu, dtype=dtype, device=device)
+    dn = torch.empty(chunk, n_dn, k_dn, dtype=dtype, device=device)
+    for lo in range(0, experts_, chunk):
+        count = min(chunk, experts_ - lo)
+        for q, out in ((w_gate_up, gu), (w_down, dn)):
+            (s, z, m, cb), (stride_we, stride_wn, stride_se, stride_sg), fmt = _weight_args(q)
+            _dequantize_kernel[(count, triton.cdiv(out.shape[1], DEQUANT_BLOCK_N), triton.cdiv(out.shape[2], 128))](
+                q.qweight, s, z, m, cb, out, lo, out.shape[1], out.shape[2],
+                stride_we, stride_wn, stride_se, stride_sg, out.stride(0), out.stride(1),
+                NF4=fmt["NF4"], HAS_ZERO=fmt["HAS_ZERO"], HAS_MIN=fmt["HAS_MIN"], GROUP=fmt["GROUP"],
+                BLOCK_N=DEQUANT_BLOCK_N, num_warps=4,
+            )
+        yield lo, gu[:count], dn[:count]
+
+
 def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
             topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, *,
             shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
@@ -234,11 +256,20 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
     num_experts = num_routed + int(has_shared)
     if T == 0:
         return out
-    if config is None:  # the tuned tables were measured with 16-bit weights: 4-bit experts take the heuristic
-        config = (default_config(T, num_routed, H, intermediate, top_k, hidden_states.device, quantized=True,
-                                 packed=packed_gemv(w_down, hidden_states.dtype)) if quant
-                  else get_config(T, num_routed, H, intermediate, top_k, hidden_states.dtype, hidden_states.device))
-    config = _for_weights(config, quant) if quant else _for_dtype(config, hidden_states.dtype)
+    if config is None:
+        if quant and T * top_k >= DEQUANT_MIN_PAIRS * num_routed:  # then the bf16 kernels, with their tables
+            config = {"DEQUANT": True, **get_config(T, num_routed, H, intermediate, top_k, hidden_states.dtype,
+                                                    hidden_states.device)}
+        elif quant:  # the tuned tables were measured with 16-bit weights: 4-bit experts take the heuristic
+            config = default_config(T, num_routed, H, intermediate, top_k, hidden_states.device, quantized=True,
+                                    packed=packed_gemv(w_down, hidden_states.dtype))
+        else:
+            config = get_config(T, num_routed, H, intermediate, top_k, hidden_states.dtype, hidden_states.device)
+    dequant = quant and bool(config.get("DEQUANT", False))
+    if dequant and "BLOCK_M" not in config:
+        raise ValueError("config: DEQUANT runs the grouped kernels, so it needs their BLOCK_M (and T > "
+                         f"{DECODE_MAX_TOKENS})")
+    config = _for_weights(config, quant) if quant and not dequant else _for_dtype(config, hidden_states.dtype)
     up, down = config["gate_up"], config["down"]
     common = dict(HAS_SHARED=has_shared, PRECISION=_precision(hidden_states.dtype),
                   UPCAST=_upcast_dots(hidden_states.dtype))
@@ -254,7 +285,7 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
     with _device_guard(hidden_states):
         if gemv:
             pair_out = _gemvs(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, up, down)
-        elif T <= DECODE_MAX_TOKENS:
+        elif T <= DECODE_MAX_TOKENS and not dequant:
             common.update(TOP_K=top_k, BLOCK_T=16, BLOCK_P=triton.next_power_of_2(num_pairs),
                           K_POW2=triton.next_power_of_2(top_k))
             inter = torch.empty(num_pairs, intermediate, dtype=hidden_states.dtype, device=device)
@@ -292,23 +323,37 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                 HIST_ROWS=max(1, 8192 // num_bins), FILL_BLOCKS=max(16, min(128, 8192 // num_bins)), num_warps=8,
             )
             inter = torch.empty(max_blocks * block_m, intermediate, dtype=hidden_states.dtype, device=device)
-            _gate_up_grouped_kernel[(max_blocks * triton.cdiv(intermediate, up["BLOCK_N"]),)](
-                hidden_states, _words(w_gate_up), shared_gu, *gu_ptrs, inter, sorted_ids, block_expert,
-                num_pairs, H, intermediate, max_blocks, num_routed,
-                hidden_states.stride(0), *gu_strides[:2], shared_gu.stride(-2), *gu_strides[2:], inter.stride(0),
-                TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], GROUP_M=up["GROUP_M"],
-                EVEN_K=H % up["BLOCK_K"] == 0, num_warps=up["num_warps"], num_stages=up["num_stages"], **common,
-                **gu_format, **_dot_flags(up, gu_format, hidden_states.dtype),
-            )
-            _down_grouped_kernel[(max_blocks * triton.cdiv(H, down["BLOCK_N"]),)](
-                inter, _words(w_down), shared_dn, *dn_ptrs, pair_out, sorted_ids, block_expert, topk_weights,
-                num_pairs, H, intermediate, max_blocks, num_routed,
-                inter.stride(0), *dn_strides[:2], shared_dn.stride(-2), *dn_strides[2:], pair_out.stride(0),
-                BLOCK_M=block_m, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], GROUP_M=down["GROUP_M"],
-                EVEN_K=intermediate % down["BLOCK_K"] == 0, num_warps=down["num_warps"],
-                num_stages=down["num_stages"], **common, **dn_format,
-                **_dot_flags(down, dn_format, hidden_states.dtype),
-            )
+
+            def grouped(w_gu, w_dn, expert_lo, expert_hi):
+                """Both grouped kernels over the blocks of experts [expert_lo, expert_hi) of w_gu / w_dn."""
+                gu_ptrs, gu_strides, gu_format = _weight_args(w_gu)
+                dn_ptrs, dn_strides, dn_format = _weight_args(w_dn)
+                shared_gu = shared_gate_up if has_shared else _words(w_gu)
+                shared_dn = shared_down if has_shared else _words(w_dn)
+                _gate_up_grouped_kernel[(max_blocks * triton.cdiv(intermediate, up["BLOCK_N"]),)](
+                    hidden_states, _words(w_gu), shared_gu, *gu_ptrs, inter, sorted_ids, block_expert,
+                    num_pairs, H, intermediate, max_blocks, num_routed, expert_lo, expert_hi,
+                    hidden_states.stride(0), *gu_strides[:2], shared_gu.stride(-2), *gu_strides[2:], inter.stride(0),
+                    TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
+                    GROUP_M=up["GROUP_M"], EVEN_K=H % up["BLOCK_K"] == 0, num_warps=up["num_warps"],
+                    num_stages=up["num_stages"], **common, **gu_format,
+                    **_dot_flags(up, gu_format, hidden_states.dtype),
+                )
+                _down_grouped_kernel[(max_blocks * triton.cdiv(H, down["BLOCK_N"]),)](
+                    inter, _words(w_dn), shared_dn, *dn_ptrs, pair_out, sorted_ids, block_expert, topk_weights,
+                    num_pairs, H, intermediate, max_blocks, num_routed, expert_lo, expert_hi,
+                    inter.stride(0), *dn_strides[:2], shared_dn.stride(-2), *dn_strides[2:], pair_out.stride(0),
+                    BLOCK_M=block_m, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], GROUP_M=down["GROUP_M"],
+                    EVEN_K=intermediate % down["BLOCK_K"] == 0, num_warps=down["num_warps"],
+                    num_stages=down["num_stages"], **common, **dn_format,
+                    **_dot_flags(down, dn_format, hidden_states.dtype),
+                )
+
+            if dequant:
+                for lo, gu, dn in _dequantized_experts(w_gate_up, w_down, hidden_states.dtype):
+                    grouped(gu, dn, lo, lo + gu.shape[0])
+            else:
+                grouped(w_gate_up, w_down, 0, num_experts)
         block_h = min(1024, triton.next_power_of_2(H))
         splits = pair_out.shape[0] if pair_out.dim() == 3 else 1
         pdl = gemv and _pdl(down, device)  # after a down GEMV that lets it
