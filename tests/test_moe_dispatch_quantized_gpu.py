@@ -38,12 +38,16 @@ def experts_float64(x, w_gate_up, w_down, weights, ids):
     return out
 
 
-def layer(k, E, H, I, name, seed=0):
-    fmt, zero_point, group_size = FORMATS[name]
+MORE_FORMATS = {**FORMATS, "int4-zp-g128": ("int4", True, 128), "int4-g256": ("int4", False, 256)}
+
+
+def layer(k, E, H, I, name, seed=0, dtype=torch.bfloat16):
+    """Random experts of format `name` quantized from `dtype` weights (the generator also returned, for inputs)."""
+    fmt, zero_point, group_size = MORE_FORMATS[name]
     g = torch.Generator(device="cuda").manual_seed(seed)
-    w_gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).bfloat16()
-    w_down = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).bfloat16()
-    return k.quantize_experts(w_gate_up, w_down, group_size=group_size, fmt=fmt, zero_point=zero_point)
+    w_gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(dtype)
+    w_down = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(dtype)
+    return k.quantize_experts(w_gate_up, w_down, group_size=group_size, fmt=fmt, zero_point=zero_point), g
 
 
 def routing(T, E, top_k, skewed=False):
@@ -67,7 +71,7 @@ def test_fused_experts_4bit(k, name, T, skewed):
     """E=16, H=2048, I=768 (Qwen3-30B-A3B's expert size), top-8; GEMV (T <= 4; packed-fp16 up to 16), decode
     (T <= 16) and grouped kernels."""
     E, H, I, top_k = 16, 2048, 768, 8
-    q_gate_up, q_down = layer(k, E, H, I, name)
+    (q_gate_up, q_down), _ = layer(k, E, H, I, name)
     x = torch.randn(T, H, device="cuda").bfloat16()
     weights, ids = routing(T, E, top_k, skewed)
     out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -93,13 +97,8 @@ PACKED_PLANS = {  # the packed-fp16 GEMVs' launch plans (pointer loads / TMA, x 
 def test_packed_gemv_plans(k, plan, name, dtype, T):
     """The packed-fp16 GEMVs' inline PTX under each launch plan, Qwen3-30B-A3B's expert size (E=16), top-8, into a
     NaN-poisoned output; H = 1920 (15 tiles: loop steps past the last tile), large |x| (per-tile fp16 scaling)."""
-    fmt, zero_point, group_size = {**FORMATS, "int4-zp-g128": ("int4", True, 128),
-                                   "int4-g256": ("int4", False, 256)}[name]
-    E, H, I, top_k = 16, 1792 if group_size == 256 else 1920, 768, 8
-    g = torch.Generator(device="cuda").manual_seed(3)
-    w_gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(dtype)
-    w_down = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(dtype)
-    q_gate_up, q_down = k.quantize_experts(w_gate_up, w_down, group_size=group_size, fmt=fmt, zero_point=zero_point)
+    E, H, I, top_k = 16, 1792 if name == "int4-g256" else 1920, 768, 8
+    (q_gate_up, q_down), g = layer(k, E, H, I, name, seed=3, dtype=dtype)
     assert k.ops.triton_kernels.packed_gemv(q_gate_up, dtype)
     x = (torch.randn(T, H, device="cuda", generator=g) * 40).to(dtype)
     weights, ids = routing(T, E, top_k)
@@ -122,12 +121,8 @@ def test_dot_operand_plans(k, operands, name, dtype, T, block_m):
     """The tl.dot decode / grouped kernels with int4 operands made by integer ops (PACKED) or fp32 planes, weight
     rows as the MMA's M (SWAP_AB) or not, at each BLOCK_M; E=16, H=1920 (masked last K-tile), I=768, top-8, into
     a NaN-poisoned output."""
-    fmt, zero_point, group_size = {**FORMATS, "int4-zp-g128": ("int4", True, 128)}[name]
     E, H, I, top_k = 16, 1920, 768, 8
-    g = torch.Generator(device="cuda").manual_seed(5)
-    w_gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(dtype)
-    w_down = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(dtype)
-    q_gate_up, q_down = k.quantize_experts(w_gate_up, w_down, group_size=group_size, fmt=fmt, zero_point=zero_point)
+    (q_gate_up, q_down), g = layer(k, E, H, I, name, seed=5, dtype=dtype)
     x = torch.randn(T, H, device="cuda", generator=g).to(dtype)
     weights, ids = routing(T, E, top_k)
     packed, swap = DOT_OPERANDS[operands]
@@ -148,15 +143,11 @@ def test_dot_operand_plans(k, operands, name, dtype, T, block_m):
 def test_dequantize_first(k, monkeypatch, name, dtype):
     """Many pairs per expert: the experts dequantized in chunks of 3 (6 chunks, the last one short) and run by the
     bf16 grouped kernels; E=16, H=1920, I=768, T=1200, top-8 (600 pairs per expert), NaN-poisoned output."""
-    fmt, zero_point, group_size = FORMATS[name]
     E, H, I, T, top_k = 16, 1920, 768, 1200, 8
     tk = k.ops.triton_kernels
     assert T * top_k >= tk.DEQUANT_MIN_PAIRS * E
     monkeypatch.setattr(tk.launch, "DEQUANT_CHUNK_BYTES", 3 * (2 * I * H + H * I) * dtype.itemsize)
-    g = torch.Generator(device="cuda").manual_seed(7)
-    w_gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(dtype)
-    w_down = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(dtype)
-    q_gate_up, q_down = k.quantize_experts(w_gate_up, w_down, group_size=group_size, fmt=fmt, zero_point=zero_point)
+    (q_gate_up, q_down), g = layer(k, E, H, I, name, seed=7, dtype=dtype)
     x = torch.randn(T, H, device="cuda", generator=g).to(dtype)
     weights, ids = routing(T, E, top_k)
     out = torch.full((T, H), float("nan"), device="cuda", dtype=dtype)
@@ -169,7 +160,7 @@ def test_dequantize_first(k, monkeypatch, name, dtype):
 def test_compile_and_cuda_graph(k):
     """moe_forward with 4-bit experts under torch.compile(fullgraph=True) and replayed from a CUDA graph."""
     E, H, I, top_k = 8, 1024, 512, 2
-    q_gate_up, q_down = layer(k, E, H, I, "int4-g128")
+    (q_gate_up, q_down), _ = layer(k, E, H, I, "int4-g128")
     router = torch.randn(E, H, device="cuda").bfloat16() / H**0.5
     x = torch.randn(4, H, device="cuda").bfloat16()
     eager = k.moe_forward(x, router, q_gate_up, q_down, top_k)
@@ -193,7 +184,7 @@ def test_compile_and_cuda_graph(k):
 def test_deepseek_size_decode(k):
     """DeepSeek-V3's expert shapes (E=256, H=7168, I=2048), T=1, int4 g128: 64-bit offsets across experts."""
     E, H, I, top_k = 256, 7168, 2048, 8
-    q_gate_up, q_down = layer(k, E, H, I, "int4-g128")
+    (q_gate_up, q_down), _ = layer(k, E, H, I, "int4-g128")
     x = torch.randn(1, H, device="cuda").bfloat16()
     weights, ids = routing(1, E, top_k)
     ids[0, 0] = E - 1  # the last expert: the largest offsets
