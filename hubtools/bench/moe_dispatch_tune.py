@@ -207,8 +207,9 @@ DOT_4BIT = {  # 4-bit experts' tl.dot candidates: name -> (BLOCK_M or None for t
 
 
 def _quant_cases(tk, k, names, tokens):
-    """(model name, T, case, call(config) -> fn(i), reference, bound seconds) for 4-bit experts (int4 g128,
-    bf16 activations): rotated layer copies and the benchmark's routed inputs; `call` runs `experts` alone."""
+    """(model name, T, layer copies, call(config) -> fn(i), reference output, bound seconds) for 4-bit experts
+    (int4 g128, bf16 activations): rotated layer copies and the benchmark's routed inputs; `call` runs `experts`
+    alone."""
     from .moe_dispatch import QUANT_FORMATS, QUANT_MAX_COPIES, QuantCase, make_quantized_layers, quant_expert_bytes
     from ..measure import measure_copy_bandwidth, rotation_count
 
@@ -291,9 +292,9 @@ def dot_4bit(tk, k, names, tokens, candidates, progress=None, compile_only=False
     the grouped ones above): the tl.dot heuristic of formats without packed operands, with PACKED and SWAP_AB off
     (these kernels as they were before them), what `experts` runs by default (the packed GEMVs where they
     apply), above the decode cut the bf16 grouped kernels on experts dequantized first, and every candidate of
-    `candidates` that fits T (`_fits`), each
-    whole config (both kernels), `experts` only, checked against the per-expert loop first. `compile_only`: the
-    checks alone (to fill Triton's cache from several processes before a timing run)."""
+    `candidates` that fits T (`_fits`), each a whole config (both kernels), `experts` only, checked against the
+    per-expert loop first. `compile_only`: the calls alone (to fill Triton's cache from several processes before a
+    timing run)."""
     warm_clocks()
     results = []
     for name, T, copies, call, ref, bound in _quant_cases(tk, k, names, tokens):

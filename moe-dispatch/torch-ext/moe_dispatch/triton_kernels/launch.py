@@ -216,16 +216,16 @@ def _h2_flags(plan: dict, x_dtype: torch.dtype, k: int, per_split: int, fmt: dic
 def _dequantized_experts(w_gate_up: QuantizedExperts, w_down: QuantizedExperts, dtype: torch.dtype):
     """(first expert, gate_up [E', 2I, H], down [E', H, I]) per chunk of experts, dequantized into `dtype` in two
     buffers of at most DEQUANT_CHUNK_BYTES together (reused chunk after chunk; at least one expert)."""
-    experts_, (n_gu, k_gu), (n_dn, k_dn) = w_down.num_experts, w_gate_up.shape, w_down.shape
+    num_experts, (n_gu, k_gu), (n_dn, k_dn) = w_down.num_experts, w_gate_up.shape, w_down.shape
     per_expert = (n_gu * k_gu + n_dn * k_dn) * dtype.itemsize
-    chunk = max(1, min(experts_, DEQUANT_CHUNK_BYTES // per_expert))
+    chunk = max(1, min(num_experts, DEQUANT_CHUNK_BYTES // per_expert))
     device = w_down.qweight.device
     gu = torch.empty(chunk, n_gu, k_gu, dtype=dtype, device=device)
     dn = torch.empty(chunk, n_dn, k_dn, dtype=dtype, device=device)
-    for lo in range(0, experts_, chunk):
-        count = min(chunk, experts_ - lo)
-        for q, out in ((w_gate_up, gu), (w_down, dn)):
-            (s, z, m, cb), (stride_we, stride_wn, stride_se, stride_sg), fmt = _weight_args(q)
+    weights = [(q, out, *_weight_args(q)) for q, out in ((w_gate_up, gu), (w_down, dn))]
+    for lo in range(0, num_experts, chunk):
+        count = min(chunk, num_experts - lo)
+        for q, out, (s, z, m, cb), (stride_we, stride_wn, stride_se, stride_sg), fmt in weights:
             _dequantize_kernel[(count, triton.cdiv(out.shape[1], DEQUANT_BLOCK_N), triton.cdiv(out.shape[2], 128))](
                 q.qweight, s, z, m, cb, out, lo, out.shape[1], out.shape[2],
                 stride_we, stride_wn, stride_se, stride_sg, out.stride(0), out.stride(1),
@@ -267,8 +267,7 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
             config = get_config(T, num_routed, H, intermediate, top_k, hidden_states.dtype, hidden_states.device)
     dequant = quant and bool(config.get("DEQUANT", False))
     if dequant and "BLOCK_M" not in config:
-        raise ValueError("config: DEQUANT runs the grouped kernels, so it needs their BLOCK_M (and T > "
-                         f"{DECODE_MAX_TOKENS})")
+        raise ValueError("config: DEQUANT runs the grouped kernels, so it needs their BLOCK_M")
     config = _for_weights(config, quant) if quant and not dequant else _for_dtype(config, hidden_states.dtype)
     up, down = config["gate_up"], config["down"]
     common = dict(HAS_SHARED=has_shared, PRECISION=_precision(hidden_states.dtype),

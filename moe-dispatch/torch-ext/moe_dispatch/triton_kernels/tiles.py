@@ -221,25 +221,22 @@ def _accumulate(a, w, acc, s_base, rows, n_ok, tile, stride_sg, GROUP: tl.conste
     ([BLOCK_N, BLOCK_M]: the weight rows fill the MMA's M, and the dequantized operand is the one taken from
     registers). SCALE_ON_ACC: w holds unscaled integers (PACKED: divided by 16), and the tile's product is
     scaled here, per weight row, before it is added."""
-    # if / else with one return: Triton compiles the statements after a constexpr if's return too
+    # one return: Triton compiles the statements after a constexpr if's return too
     if SWAP_AB:
-        if SCALE_ON_ACC:
-            part = _dot(w, tl.trans(a), tl.zeros(acc.shape, dtype=tl.float32), PRECISION, UPCAST)
-            scale = _tile_scales(s_base, rows, n_ok, tile, stride_sg, GROUP)
-            if PACKED:
-                scale = scale * 16.0
+        lhs, rhs = w, tl.trans(a)
+    else:
+        lhs, rhs = a, tl.trans(w)
+    if SCALE_ON_ACC:
+        part = _dot(lhs, rhs, tl.zeros(acc.shape, dtype=tl.float32), PRECISION, UPCAST)
+        scale = _tile_scales(s_base, rows, n_ok, tile, stride_sg, GROUP)
+        if PACKED:
+            scale = scale * 16.0
+        if SWAP_AB:
             acc = acc + part * scale[:, None]
         else:
-            acc = _dot(w, tl.trans(a), acc, PRECISION, UPCAST)
-    else:
-        if SCALE_ON_ACC:
-            part = _dot(a, tl.trans(w), tl.zeros(acc.shape, dtype=tl.float32), PRECISION, UPCAST)
-            scale = _tile_scales(s_base, rows, n_ok, tile, stride_sg, GROUP)
-            if PACKED:
-                scale = scale * 16.0
             acc = acc + part * scale[None, :]
-        else:
-            acc = _dot(a, tl.trans(w), acc, PRECISION, UPCAST)
+    else:
+        acc = _dot(lhs, rhs, acc, PRECISION, UPCAST)
     return acc
 
 
