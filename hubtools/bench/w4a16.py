@@ -655,8 +655,8 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
             shipped = evaluate("shipped", shipped_config)
             if variants is None:
                 launches = candidates(m, rows_padded, tiles, sm_count, fmt)
-            else:  # the shipped config with each override, nothing else
-                launches = [{**shipped_config, **v} for v in variants]
+            else:  # the shipped config with each override (nested dicts such as "mma" merged), nothing else
+                launches = [_override(shipped_config, v) for v in variants]
             trials = [evaluate("candidate", c) for c in launches]
             t_cublas, cublas_err = _time_verified(lambda i: F.linear(xs[i], dense16[i % len(dense16)]), len(dense16),
                                                   xs, lambda _: ref, torch.float16, plan)
@@ -678,6 +678,13 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
         if out_path is not None:
             out_path.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def _override(config: dict, variant: dict) -> dict:
+    """`config` with `variant`'s keys; a dict-valued key that both have (``"mma"``, ``"half2"``) merges one level
+    down, so ``{"mma": {"tiles": 4}}`` keeps each shape's other mma settings."""
+    return {**config, **{key: {**config[key], **value} if isinstance(value, dict) and isinstance(config.get(key), dict)
+                         else value for key, value in variant.items()}}
 
 
 def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.03) -> list[str]:
@@ -712,10 +719,13 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     return changes
 
 
-def dequant_bandwidth(kernel, shapes=SHAPES, fmt: str = "int4", group: int = GROUP) -> dict:
+def dequant_bandwidth(kernel, shapes=SHAPES, fmt: str = "int4", group: int = GROUP,
+                      variants: list[dict] | None = None) -> dict:
     """The dequantize kernel alone (dequantize + cuBLAS runs it at M >= 512): seconds per call into a preallocated
     fp16 output by CUDA-graph replay over rotated weights, the bytes it must move (4-bit words, scales, zeros in;
-    fp16 out) and their share of the device copy bandwidth measured in the same run."""
+    fp16 out) and their share of the device copy bandwidth measured in the same run; for each of `variants`
+    (keyword arguments of `triton_kernels.dequantize`: ``block_n``, ``tiles``, ``num_warps``, ``nf4_tables``;
+    by default the kernel's defaults)."""
     warm_clocks()
     bandwidth = measure_copy_bandwidth()
     rows = []
@@ -729,15 +739,17 @@ def dequant_bandwidth(kernel, shapes=SHAPES, fmt: str = "int4", group: int = GRO
                     if t is not None)
         weights = [first] + [make() for _ in range(rotation_count(moved) - 1)]
 
-        def dequantize(i, weights=weights, out=out):
-            q = weights[i]
-            kernel.triton_kernels.dequantize(q.qweight, q.scales, q.zeros, q.codebook, n, k, q.group_size,
-                                             torch.float16, out=out)
+        for variant in variants or [{}]:
+            def dequantize(i, weights=weights, out=out, variant=variant):
+                q = weights[i]
+                kernel.triton_kernels.dequantize(q.qweight, q.scales, q.zeros, q.codebook, n, k, q.group_size,
+                                                 torch.float16, out=out, **variant)
 
-        seconds = time_graph(dequantize, len(weights))
-        rows.append({"shape": label, "N": n, "K": k, "us": seconds * 1e6, "bytes": moved,
-                     "pct_copy": 100 * moved / seconds / bandwidth})
-        print(f"{label}: dequantize {seconds * 1e6:.1f} us, {rows[-1]['pct_copy']:.0f} % of copy", flush=True)
+            seconds = time_graph(dequantize, len(weights))
+            rows.append({"shape": label, "N": n, "K": k, "variant": variant, "us": seconds * 1e6, "bytes": moved,
+                         "pct_copy": 100 * moved / seconds / bandwidth})
+            print(f"{label} {json.dumps(variant)}: dequantize {seconds * 1e6:.1f} us, {rows[-1]['pct_copy']:.0f} % "
+                  "of copy", flush=True)
         del weights, out
     return {"env": environment(), "copy_bandwidth": bandwidth, "fmt": fmt, "group": group, "rows": rows}
 
@@ -829,7 +841,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fmt", choices=("int4", "nf4"), default="int4", help="--compare-decode's weight format")
     parser.add_argument("--group", type=int, default=GROUP, help="--compare-decode's group size")
     parser.add_argument("--variants", help="--compare-decode times, instead of its candidates, the shipped config "
-                        "with each of these overrides (a JSON list of dicts)")
+                        "with each of these overrides (a JSON list of dicts); --dequant-bandwidth times the "
+                        "dequantize kernel with each as its keyword arguments")
     parser.add_argument("--dequant-bandwidth", action="store_true",
                         help="instead of the sweep: the dequantize kernel's time and share of copy bandwidth "
                              "(dequant_bandwidth) on the Llama-3 shapes or --shapes, --fmt, --group")
@@ -877,7 +890,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dequant_bandwidth:
         with loaded_kernel(project) as module:
             measured = dequant_bandwidth(module, [s for s in SHAPES if args.shapes is None or s[0] in args.shapes],
-                                         args.fmt, args.group)
+                                         args.fmt, args.group,
+                                         None if args.variants is None else json.loads(args.variants))
         args.out.write_text(json.dumps(measured, indent=1) + "\n")
         print(f"wrote {args.out}")
         return 0

@@ -164,6 +164,25 @@ def test_triton_dequantize_equals_pytorch(k, monkeypatch, fmt, zero_point, group
     assert torch.equal(triton_out, k.dequantize(qw, torch.float32))
 
 
+@pytest.mark.parametrize("group_size,kk", [(64, 320), (128, 384), (256, 512), (-1, 200)])
+@pytest.mark.parametrize("scale_dtype,dtype", [(torch.float16, torch.float16), (torch.float16, torch.float32),
+                                               (torch.bfloat16, torch.float32)])
+def test_triton_dequantize_nf4_tables_use_the_fp16_codebook(k, group_size, kk, scale_dtype, dtype):
+    """The matmul's NF4 dequantize (byte-permute lookup, emulated in the interpreter) equals dequantizing with the
+    codebook rounded to fp16 (the tensor-core path's values) bit for bit, one rounding per weight; poisoned
+    output, masked K tail. (No bf16 output here: the interpreter truncates float32 to bf16.)"""
+    qw = k.quantize(_weight(N, kk, scale_dtype, seed=4), group_size=group_size, fmt="nf4")
+    rows = qw.qweight.shape[0]
+    out = torch.full((rows, kk), float("nan"), dtype=dtype)
+    k.triton_kernels.dequantize(qw.qweight, qw.scales, None, qw.codebook, rows, kk, group_size, dtype, out=out,
+                                nf4_tables=True)
+    want = k.reference.dequantize(qw.qweight, qw.scales, None, None, qw.codebook.half().float(), None, rows, kk,
+                                  group_size, dtype)
+    assert torch.equal(out, want)
+    exact = k.reference.dequantize(qw.qweight, qw.scales, None, None, qw.codebook, None, rows, kk, group_size, dtype)
+    assert not torch.equal(out, exact)  # the rounded codebook is not the float32 one: the test can tell them apart
+
+
 # --- matmul: every launch path in the interpreter, and the PyTorch path ----------------------------------
 
 @pytest.mark.parametrize("path", list(CONFIGS))

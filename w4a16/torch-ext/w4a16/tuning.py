@@ -19,7 +19,8 @@ tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`
 ``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration), ``x_smem`` (x through shared memory),
 ``stages`` (a cp.async ring of that many slots for the words, x, scales and zero points, where
 `cp_async_rows`, else one stage) and ``split_k``) or
-``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS). Any config may also say ``"pdl": False``: the
+``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS; optional ``block_n`` / ``tiles`` / ``num_warps``,
+the dequantize kernel's programs, and ``nf4_tables`` as for dot, there also off for float32 activations). Any config may also say ``"pdl": False``: the
 packed-fp16 and mma GEMVs (and their split-K reductions) then launch in stream order instead of as programmatic
 dependents of the kernel before (`triton_kernels.launch.dependent_launch`, on by default where sm_90+ runs).
 
@@ -301,6 +302,12 @@ def _format_plan(config: dict, x: torch.Tensor, codebook, group_size: int, has_m
         if half2 and half2_supported(x, codebook, group_size, has_mins, has_zeros):
             plan.update(half2 if isinstance(half2, dict) else {}, kernel="gemv_h2")
         return plan
+    # NF4 by byte permutes (inline PTX: NVIDIA, or emulated in the interpreter) unless a config says not
+    ptx = x.device.type == "cuda" and torch.version.hip is None
+    nf4_lookup = codebook is not None and bool(config.get("nf4_tables", True)) and (interpreting() or ptx)
+    if config["kernel"] == "dequant":
+        # from the codebook rounded to fp16, as the tensor-core path: not for float32 activations
+        return {**config, "nf4_tables": nf4_lookup and x.dtype != torch.float32}
     if config["kernel"] == "dot":
         packed = bool(config.get("packed", False)) and packed_dot_supported(codebook, group_size, has_mins)
         # per-channel scales always go on the result
@@ -309,10 +316,7 @@ def _format_plan(config: dict, x: torch.Tensor, codebook, group_size: int, has_m
         full_tile = packed or bool(config.get("full_tile", False))
         x_desc = bool(config.get("x_desc", False)) and full_tile and tma_rows(x)
         w_desc = bool(config.get("w_desc", False)) and full_tile
-        # NF4 operands by byte permutes (inline PTX: NVIDIA, or emulated in the interpreter) unless a config says not
-        ptx = x.device.type == "cuda" and torch.version.hip is None
-        nf4_tables = (codebook is not None and full_tile and bool(config.get("nf4_tables", True))
-                      and (interpreting() or ptx))
+        nf4_tables = nf4_lookup and full_tile
         # packed fp16 multiplies of the looked-up pairs (fp16 activations; the launcher checks the scales' dtype)
         nf4_half_scale = nf4_tables and ptx and x.dtype == torch.float16 and bool(config.get("nf4_half_scale", True))
         return {**config, "packed": packed, "scale_weights": scale_weights, "x_desc": x_desc, "w_desc": w_desc,

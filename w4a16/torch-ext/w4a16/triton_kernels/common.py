@@ -33,6 +33,22 @@ def _natural_order(p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
+def _half_bits(h):
+    """16-bit floats as the int32 holding their bits in the low half."""
+    return h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _plane_group(tile, J: tl.constexpr, group_size: tl.constexpr):
+    """The scale group of K-tile `tile`'s nibble plane J (columns 128 tile + 16 J + c); group_size is a
+    compile-time constant (32, 64 or a multiple of 128), so the planes of one group share one parameter load."""
+    if group_size < 128:
+        return tile * (128 // group_size) + (J * 16) // group_size
+    else:
+        return tile // (group_size // 128)
+
+
+@triton.jit
 def _plane(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size: tl.constexpr, stride_sg, J: tl.constexpr,
            NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
            SCALE_ON_ACC: tl.constexpr):
@@ -41,13 +57,7 @@ def _plane(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size: tl.cons
     scale groups, never on the accumulator), or the NF4 value."""
     code = (w >> (4 * J)) & 0xF
     if not PER_CHANNEL:
-        # group_size is a compile-time constant (32, 64 or a multiple of 128): the planes of one group then share
-        # one scale / zero load
-        if group_size < 128:
-            group = tile * (128 // group_size) + (J * 16) // group_size
-        else:
-            group = tile // (group_size // 128)
-        param_offs = tl.cast(group, tl.int64) * stride_sg + rows
+        param_offs = tl.cast(_plane_group(tile, J, group_size), tl.int64) * stride_sg + rows
     if NF4:
         v = tl.load(cb_ptr + code)
     else:

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from .common import _WORDS, _natural_order, _plane, _swiglu_rows, _tile_in_k_order
-from .nf4 import _nf4_pairs, _nf4_tables
+from .nf4 import _nf4_tables, _nf4_tile_in_k_order
 
 
 # Tensor-core operands from integer ops: a nibble shifted into the top 4 mantissa bits of 1.0 (fp16 0x3C00:
@@ -48,57 +48,6 @@ def _unit_planes(w, BF16: tl.constexpr):
     return p0, p1, p2, p3, p4, p5, p6, p7
 
 
-# Multiplies two fp16 pairs (the codebook values of planes J, J + 4 by their groups' scales), rounded once per
-# value like a dequantized weight; Triton would convert each half apart (two conversions and two fp32 multiplies
-# per weight).
-_HMUL2_ASM = tl.constexpr("mul.rn.f16x2 $0, $1, $2;")
-
-
-@triton.jit
-def _half_bits(h):
-    """16-bit floats as the int32 holding their bits in the low half."""
-    return h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-
-
-@triton.jit
-def _nf4_pair_planes(q, tile, rows, s_ptr, stride_sg, J: tl.constexpr, group_size: tl.constexpr,
-                     SCALED: tl.constexpr, HALF_SCALE: tl.constexpr, DTYPE: tl.constexpr):
-    """Planes J and J + 4 as DTYPE from the fp16 codebook values in the halves of `q`, times their groups'
-    scales when SCALED: by one packed fp16 multiply per pair where HALF_SCALE (fp16 operands and scales: the
-    product is exact before its one rounding), else in fp32."""
-    if SCALED:
-        lo_offs = tl.cast(tile * (128 // group_size) + (16 * J) // group_size, tl.int64) * stride_sg + rows
-        hi_offs = tl.cast(tile * (128 // group_size) + (16 * J + 64) // group_size, tl.int64) * stride_sg + rows
-        s_lo = tl.load(s_ptr + lo_offs)[:, None]
-        s_hi = tl.load(s_ptr + hi_offs)[:, None]
-    if HALF_SCALE:
-        if SCALED:
-            s_pair = _half_bits(s_lo) | (_half_bits(s_hi) << 16)
-            q = tl.inline_asm_elementwise(_HMUL2_ASM, "=r,r,r", [q, tl.broadcast_to(s_pair, q.shape)],
-                                          dtype=tl.int32, is_pure=True, pack=1)
-        return (q.to(tl.int16).to(tl.float16, bitcast=True),
-                (q >> 16).to(tl.int16).to(tl.float16, bitcast=True))
-    lo = q.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (q >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    if SCALED:
-        lo = lo * s_lo.to(tl.float32)
-        hi = hi * s_hi.to(tl.float32)
-    return lo.to(DTYPE), hi.to(DTYPE)
-
-
-@triton.jit
-def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_size: tl.constexpr,
-                         SCALED: tl.constexpr, HALF_SCALE: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """A [BLOCK_N, 16] NF4 word tile as one [BLOCK_N, 128] operand in K order, the codebook looked up by byte
-    permutes (`nf4._nf4_pairs`) instead of one gather per weight."""
-    q0, q1, q2, q3 = _nf4_pairs(w, tables, cb_ptr, EMULATE)
-    p0, p4 = _nf4_pair_planes(q0, tile, rows, s_ptr, stride_sg, 0, group_size, SCALED, HALF_SCALE, DTYPE)
-    p1, p5 = _nf4_pair_planes(q1, tile, rows, s_ptr, stride_sg, 1, group_size, SCALED, HALF_SCALE, DTYPE)
-    p2, p6 = _nf4_pair_planes(q2, tile, rows, s_ptr, stride_sg, 2, group_size, SCALED, HALF_SCALE, DTYPE)
-    p3, p7 = _nf4_pair_planes(q3, tile, rows, s_ptr, stride_sg, 3, group_size, SCALED, HALF_SCALE, DTYPE)
-    return _natural_order(p0, p1, p2, p3, p4, p5, p6, p7)
-
-
 @triton.jit
 def _dot_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
@@ -132,7 +81,7 @@ def _dot_kernel(
     NF4_TABLES (NF4 on the full-tile path, NVIDIA): the codebook is looked up by byte permutes
     (`_nf4_tile_in_k_order`) rather than gathered per weight; EMULATE runs the same bit logic by gathers (the
     interpreter). NF4_HALF_SCALE (fp16 operands and scales, NVIDIA): groups smaller than a tile scale the
-    looked-up pairs by packed fp16 multiplies (`_HMUL2_ASM`) instead of in fp32.
+    looked-up pairs by packed fp16 multiplies (`nf4._HMUL2_ASM`) instead of in fp32.
 
     SWIGLU (a fused gate / up weight in the SwiGLU layout): the output is ``[M, N // 2]``, silu(gate) * up of
     the fp32 accumulator after scales and bias (`_swiglu_rows`); split-K partials stay fused rows, and the

@@ -231,12 +231,15 @@ def _launch_mma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
         _reduce_splits(target, bias, out, n, False, pdl)
 
 
-def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None, mins=None) -> torch.Tensor:
-    """Dequantized weight ``[n, k]`` in stored K order (rows of a chunk when qweight is a row slice)."""
+def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None, mins=None, *, block_n=32,
+               tiles=4, num_warps=4, nf4_tables=False, int4_pairs=True) -> torch.Tensor:
+    """Dequantized weight ``[n, k]`` in stored K order (rows of a chunk when qweight is a row slice): programs of
+    ``block_n`` rows x ``tiles`` K-tiles. ``nf4_tables``: NF4 looked up from its codebook rounded to fp16 (the
+    tensor-core path's values: what the matmul uses; `ops.dequantize` keeps the float32 codebook); ``int4_pairs``:
+    int4 into a 16-bit output of the scales' dtype by packed instructions (bit-equal; off: the float32 planes)."""
     if out is None:
         out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
-    block_n, tiles = 32, 4
     flags = _format_flags(zeros, mins, codebook, group_size)
     del flags["SUBG"]
     grid = (triton.cdiv(n, block_n), triton.cdiv(num_tiles, tiles))
@@ -245,7 +248,14 @@ def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=No
         _or(codebook, scales), out,
         n, k, num_tiles, 128 if group_size == -1 else group_size,  # a compile-time constant, unread per channel
         qweight.stride(0), scales.stride(0), out.stride(0),
-        **flags, BLOCK_N=block_n, TILES=tiles, num_warps=4,
+        **flags, BLOCK_N=block_n, TILES=tiles, NF4_TABLES=nf4_tables and codebook is not None,
+        # packed fp16 multiplies are inline PTX: not in the interpreter
+        HALF_SCALE=out.dtype == torch.float16 and scales.dtype == torch.float16 and not interpreting(),
+        # int4 pairs in packed 16-bit arithmetic (inline PTX), with scales of the output's dtype
+        INT4_PAIRS=(int4_pairs and codebook is None and mins is None and out.dtype == scales.dtype
+                    and out.dtype in (torch.float16, torch.bfloat16) and not interpreting()),
+        EMULATE=interpreting(),
+        num_warps=num_warps,
     )
     return out
 
@@ -258,11 +268,12 @@ def _launch_dequant_matmul(x, qweight, scales, zeros, mins, codebook, bias, out,
     swiglu = plan.get("swiglu", False)
     fused = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device) if swiglu else out
     chunk = plan.get("chunk_n") or n
+    tiling = {key: plan[key] for key in ("block_n", "tiles", "num_warps", "nf4_tables") if key in plan}
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         weight = dequantize(qweight[start:], scales[:, start:], None if zeros is None else zeros[:, start:],
                             codebook, stop - start, k, group_size, x.dtype,
-                            mins=None if mins is None else mins[:, start:])
+                            mins=None if mins is None else mins[:, start:], **tiling)
         target = fused[:, start:stop]
         if bias is None:
             torch.mm(x, weight.t(), out=target)

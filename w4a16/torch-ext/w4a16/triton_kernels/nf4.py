@@ -1,4 +1,5 @@
-"""NF4 codebook lookups by byte permutes (PRMT), shared by the packed-fp16 GEMV and the tensor-core kernel.
+"""NF4 codebook lookups by byte permutes (PRMT), shared by the packed-fp16 GEMV, the tensor-core kernel and the
+dequantize kernel of the dequantize + cuBLAS path.
 
 The 16 codebook values as fp16 (divided by 16 for the GEMV, whose int4 arithmetic carries that factor; as they
 are for the tensor-core operands) live in 8 registers: the low bytes of entries 0-3, 4-7, 8-11, 12-15 and
@@ -9,6 +10,8 @@ half of each byte with one more PRMT (`nf4_select_asm`).
 
 import triton
 import triton.language as tl
+
+from .common import _half_bits, _natural_order, _plane_group
 
 
 @triton.jit
@@ -97,3 +100,48 @@ def _nf4_pairs(w, tables, cb_ptr, EMULATE: tl.constexpr):
              tl.broadcast_to(l3, w.shape), tl.broadcast_to(h0, w.shape), tl.broadcast_to(h1, w.shape),
              tl.broadcast_to(h2, w.shape), tl.broadcast_to(h3, w.shape)],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+# Multiplies two fp16 pairs (the codebook values of planes J, J + 4 by their groups' scales), rounded once per
+# value like a dequantized weight; Triton would convert each half apart (two conversions and two fp32 multiplies
+# per weight).
+_HMUL2_ASM = tl.constexpr("mul.rn.f16x2 $0, $1, $2;")
+
+
+@triton.jit
+def _nf4_pair_planes(q, tile, rows, s_ptr, stride_sg, J: tl.constexpr, group_size: tl.constexpr,
+                     SCALED: tl.constexpr, HALF_SCALE: tl.constexpr, DTYPE: tl.constexpr):
+    """Planes J and J + 4 as DTYPE from the fp16 codebook values in the halves of `q`, times their groups'
+    scales when SCALED: by one packed fp16 multiply per pair where HALF_SCALE (fp16 operands and scales: the
+    product is exact before its one rounding), else in fp32."""
+    if SCALED:
+        lo_offs = tl.cast(_plane_group(tile, J, group_size), tl.int64) * stride_sg + rows
+        hi_offs = tl.cast(_plane_group(tile, J + 4, group_size), tl.int64) * stride_sg + rows
+        s_lo = tl.load(s_ptr + lo_offs)[:, None]
+        s_hi = tl.load(s_ptr + hi_offs)[:, None]
+    if HALF_SCALE:
+        if SCALED:
+            s_pair = _half_bits(s_lo) | (_half_bits(s_hi) << 16)
+            q = tl.inline_asm_elementwise(_HMUL2_ASM, "=r,r,r", [q, tl.broadcast_to(s_pair, q.shape)],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        return (q.to(tl.int16).to(tl.float16, bitcast=True),
+                (q >> 16).to(tl.int16).to(tl.float16, bitcast=True))
+    lo = q.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (q >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if SCALED:
+        lo = lo * s_lo.to(tl.float32)
+        hi = hi * s_hi.to(tl.float32)
+    return lo.to(DTYPE), hi.to(DTYPE)
+
+
+@triton.jit
+def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_size: tl.constexpr,
+                         SCALED: tl.constexpr, HALF_SCALE: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """A [BLOCK_N, 16] NF4 word tile as one [BLOCK_N, 128] operand in K order, the codebook looked up by byte
+    permutes (`nf4._nf4_pairs`) instead of one gather per weight."""
+    q0, q1, q2, q3 = _nf4_pairs(w, tables, cb_ptr, EMULATE)
+    p0, p4 = _nf4_pair_planes(q0, tile, rows, s_ptr, stride_sg, 0, group_size, SCALED, HALF_SCALE, DTYPE)
+    p1, p5 = _nf4_pair_planes(q1, tile, rows, s_ptr, stride_sg, 1, group_size, SCALED, HALF_SCALE, DTYPE)
+    p2, p6 = _nf4_pair_planes(q2, tile, rows, s_ptr, stride_sg, 2, group_size, SCALED, HALF_SCALE, DTYPE)
+    p3, p7 = _nf4_pair_planes(q3, tile, rows, s_ptr, stride_sg, 3, group_size, SCALED, HALF_SCALE, DTYPE)
+    return _natural_order(p0, p1, p2, p3, p4, p5, p6, p7)
