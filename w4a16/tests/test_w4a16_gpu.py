@@ -87,13 +87,15 @@ def test_dequantize_int4_pairs_match_pytorch_reference(k, zero_point, group_size
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequantize_nf4_tables_use_the_fp16_codebook(k, group_size, dtype):
     """The matmul's NF4 dequantize (byte-permute tables; packed fp16 multiplies for fp16) equals the PyTorch
-    dequantize with the codebook rounded to fp16, bit for bit."""
-    qw = k.quantize(_weight(1000, 3136, dtype), group_size=group_size, fmt="nf4")
+    dequantize with the codebook rounded to fp16, bit for bit (K = 3136 ends inside a 128-column tile where the
+    group size allows)."""
+    kk = 3328 if group_size == 128 else 3136
+    qw = k.quantize(_weight(1000, kk, dtype), group_size=group_size, fmt="nf4")
     cpu = qw.to("cpu")
-    ref = k.reference.dequantize(cpu.qweight, cpu.scales, None, None, cpu.codebook.half().float(), None, 1000, 3136,
+    ref = k.reference.dequantize(cpu.qweight, cpu.scales, None, None, cpu.codebook.half().float(), None, 1000, kk,
                                  group_size, dtype)
-    out = torch.full((1000, 3136), float("nan"), device="cuda", dtype=dtype)
-    k.triton_kernels.dequantize(qw.qweight, qw.scales, None, qw.codebook, 1000, 3136, group_size, dtype, out=out,
+    out = torch.full((1000, kk), float("nan"), device="cuda", dtype=dtype)
+    k.triton_kernels.dequantize(qw.qweight, qw.scales, None, qw.codebook, 1000, kk, group_size, dtype, out=out,
                                 nf4_tables=True)
     assert torch.equal(out.cpu(), ref)
 
