@@ -24,7 +24,7 @@ CONFIGS = {  # every launcher; formats a config does not take (packed operands, 
     "dot-full-swap-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
                             "full_tile": True},
     "dot-packed-tma": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True, "packed": True,
-                       "scale_weights": True, "x_desc": True, "w_desc": True},
+                       "x_desc": True, "w_desc": True},
     "dequant-chunks": {"kernel": "dequant", "chunk_n": 128},
 }
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # one rounding of the result and of the weights on dot paths
@@ -179,7 +179,7 @@ def test_resolve_keeps_mins_off_the_paths_without_them(k):
         assert k.tuning.resolve(CONFIGS["gemv-half2"], x16, None, group_size, has_mins=True)["kernel"] == "gemv_h2"
     assert k.tuning.resolve(CONFIGS["gemv-half2"], x16, None, -1, has_mins=True)["kernel"] == "gemv"
     dot = k.tuning.resolve(CONFIGS["dot-packed-tma"], x16, None, 128, has_mins=True)
-    assert not dot["packed"] and not dot["scale_weights"]
+    assert not dot["packed"]
 
 
 @pytest.mark.parametrize("m", [1, 5, 40, 600])

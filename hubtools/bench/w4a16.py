@@ -253,18 +253,18 @@ def _gemv_candidates() -> list[dict]:
 def _dot_candidates(m: int) -> list[dict]:
     """Packed-operand dot tiles (`packed`: integer-op dequantization; formats it does not take run the
     dequantized planes on the same tiles), from the H200 probes of 2026-12-01: weight rows as the MMA's M
-    (swap_ab), 4 warps up to M = 256; at M = 1024 256-token tiles with the scale on the operand."""
+    (swap_ab), 4 warps up to M = 256, 256-token tiles above."""
     if m <= 16:
-        shapes = [(16, 64, 4, 3, False), (16, 128, 8, 3, False), (16, 32, 4, 3, False)]
+        shapes = [(16, 64, 4, 3), (16, 128, 8, 3), (16, 32, 4, 3)]
     elif m <= 64:
-        shapes = [(64, 128, 4, 3, False), (64, 64, 4, 3, False), (64, 128, 8, 3, True)]
+        shapes = [(64, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
     elif m <= 256:
-        shapes = [(128, 64, 4, 3, False), (64, 128, 4, 3, False), (128, 128, 8, 3, False), (256, 128, 8, 3, True)]
+        shapes = [(128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3)]
     else:
-        shapes = [(256, 128, 8, 3, True), (128, 256, 8, 3, True)]
-    # (block_m, block_n, num_warps, num_stages, scale_weights)
+        shapes = [(256, 128, 8, 3), (128, 256, 8, 3)]
+    # (block_m, block_n, num_warps, num_stages)
     return [{"kernel": "dot", "block_m": bm, "block_n": bn, "swap_ab": True, "num_warps": w, "num_stages": st,
-             "full_tile": True, "packed": True, "scale_weights": sw} for bm, bn, w, st, sw in shapes]
+             "full_tile": True, "packed": True} for bm, bn, w, st in shapes]
 
 
 def _compiled(jit_fn) -> dict:
@@ -584,8 +584,7 @@ def _dot_pipeline_candidates(m: int, rows: int, tiles: int, sm_count: int) -> li
         splits = [s for s in (1, 2, 4, 8) if s == 1 or (programs * s <= most * sm_count and tiles // s >= 4)]
         for desc in (True, False):
             out += [{"kernel": "dot", "block_m": bm, "block_n": bn, "split_k": s, "swap_ab": True, "num_warps": w,
-                     "num_stages": st, "full_tile": True, "packed": True, "scale_weights": m >= 1024 and bm == 256,
-                     "x_desc": desc, "w_desc": desc} for s in splits]
+                     "num_stages": st, "full_tile": True, "packed": True, "x_desc": desc, "w_desc": desc} for s in splits]
     if m >= 1024:
         out += [{"kernel": "dequant", "chunk_n": c} for c in (0, 4096)]
     return out

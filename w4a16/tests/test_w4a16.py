@@ -35,11 +35,10 @@ CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot an
     # do not take (groups of 32 / 64, NF4) run the dequantized planes.
     "dot-packed-swap-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
                               "packed": True},
-    "dot-packed-scaled": {"kernel": "dot", "block_m": 16, "block_n": 128, "split_k": 1, "packed": True,
-                          "scale_weights": True},
-    # x and the weight words by TMA descriptors (zero-filled past M and K), the scale on the operand.
+    "dot-packed": {"kernel": "dot", "block_m": 16, "block_n": 128, "split_k": 1, "packed": True},
+    # x and the weight words by TMA descriptors (zero-filled past M and K).
     "dot-packed-tma": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True, "packed": True,
-                       "scale_weights": True, "x_desc": True, "w_desc": True},
+                       "x_desc": True, "w_desc": True},
     "dequant-chunks": {"kernel": "dequant", "chunk_n": 128},
     # The packed-fp16 GEMV, emulated in the interpreter (no inline PTX there): its tiles, masks, split-K, zero
     # points, int4 groups of 32 / 64 (symmetric or minima); the formats it does not take (int4 groups of 64 with
@@ -255,11 +254,23 @@ def test_nf4_takes_its_own_tensor_core_tiles(k):
         int4 = k.tuning.heuristic(m, 28672, 4096, 132)
         nf4 = k.tuning.nf4_tiles(int4, m, 28672, 132, 64)
         assert (nf4 == int4) == (m <= 16 or int4["kernel"] != "dot" or (m <= 64 and int4["block_n"] < 128))
-    int4 = k.tuning.heuristic(256, 6144, 4096, 132)
-    wide = k.tuning.nf4_tiles(int4, 256, 6144, 132, 64)
+    int4 = k.tuning.heuristic(256, 8192, 8192, 132)
+    wide = k.tuning.nf4_tiles(int4, 256, 8192, 132, 64)
     assert (wide["block_m"], wide["block_n"], wide["num_warps"], wide["split_k"]) == (256, 128, 8, 2)
-    assert k.tuning.nf4_tiles(int4, 256, 6144, 132, -1)["block_m"] == 256
-    assert k.tuning.nf4_tiles(int4, 256, 6144, 132, 128)["block_m"] == int4["block_m"]  # one scale per tile
+    assert k.tuning.nf4_tiles(int4, 256, 8192, 132, -1)["block_m"] == 256
+    assert k.tuning.nf4_tiles(int4, 256, 8192, 132, 128)["block_m"] == int4["block_m"]  # one scale per tile
+
+
+def test_nf4_dequantizes_where_its_wide_tiles_leave_sms_idle(k):
+    """At 65-511 tokens NF4 runs dequantize + cuBLAS where the 256 x 128 grid's waves keep under
+    `NF4_MIN_WAVE_USE` of the SMs busy: 48 row tiles split in 2 fill 96 of 132 SMs, 160 fill 1.2 waves; 64 row
+    tiles split in 2 fill 128, 224 fill 0.85 of two waves."""
+    for n, want in ((6144, "dequant"), (10240, "dequant"), (8192, "dot"), (28672, "dot")):
+        int4 = k.tuning.heuristic(256, n, 8192, 132)
+        assert k.tuning.nf4_tiles(int4, 256, n, 132, 64)["kernel"] == want, n
+    # two token tiles of 4096 rows split in 2 fill 128 SMs, one fills 64
+    for m, want in ((256, "dequant"), (300, "dot")):
+        assert k.tuning.nf4_tiles(k.tuning.heuristic(m, 4096, 4096, 132), m, 4096, 132, 64)["kernel"] == want
     assert k.tuning.select(64, 28672, 4096, torch.device("cpu"), nf4_group=64)["num_warps"] == 8
 
 
@@ -319,15 +330,15 @@ def test_resolve_makes_every_choice_once(k):
                                                                       "split_k": 2, "num_warps": 4}
     assert k.tuning.resolve(gemv, x16, None, 32, has_mins=True)["kernel"] == "gemv_h2"
     assert k.tuning.resolve({**gemv, "half2": True}, x16, None, 128)["kernel"] == "gemv_h2"
-    dot = {"kernel": "dot", "block_m": 16, "block_n": 64, "packed": True, "scale_weights": True}
-    assert k.tuning.resolve(dot, x16, None, 128)["packed"] and k.tuning.resolve(dot, x16, None, 128)["scale_weights"]
-    assert not k.tuning.resolve(dot, x16, None, -1)["scale_weights"]
+    dot = {"kernel": "dot", "block_m": 16, "block_n": 64, "packed": True}
+    assert k.tuning.resolve(dot, x16, None, 128)["packed"] and k.tuning.resolve(dot, x16, None, -1)["packed"]
+    assert not k.tuning.resolve(dot, x16, None, 64)["packed"]
     tma = {**dot, "x_desc": True, "w_desc": True}
     assert k.tuning.resolve(tma, x16, None, 128)["x_desc"]
     odd = torch.zeros(2, 129, dtype=torch.float16)[:, :127]  # rows of 258 bytes: not 16-byte aligned for TMA
     assert not k.tuning.resolve(tma, odd, None, 128)["x_desc"] and k.tuning.resolve(tma, odd, None, 128)["w_desc"]
     nf4 = k.tuning.resolve(dot, x16, torch.zeros(16), 128)
-    assert not nf4["packed"] and not nf4["scale_weights"] and not nf4["nf4_tables"]  # not a full-tile config
+    assert not nf4["packed"] and not nf4["nf4_tables"]  # not a full-tile config
     # packed fp16 scalings by inline PTX: NVIDIA GPUs only (the interpreter scales in fp32)
     assert not k.tuning.resolve({**dot, "full_tile": True}, x16, torch.zeros(16), 64)["nf4_half_scale"]
     assert k.tuning.resolve({**dot, "full_tile": True}, x16, torch.zeros(16), 128)["nf4_tables"]  # emulated here
@@ -427,8 +438,7 @@ SWIGLU_CONFIGS = {  # every path with the epilogue; resolve turns the GEMVs' 8-r
     "dot-swap-full-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
                             "full_tile": True},
     "dot-planes": {"kernel": "dot", "block_m": 16, "block_n": 128, "split_k": 1},
-    "dot-packed-scaled": {"kernel": "dot", "block_m": 16, "block_n": 32, "split_k": 1, "packed": True,
-                          "scale_weights": True},
+    "dot-packed": {"kernel": "dot", "block_m": 16, "block_n": 32, "split_k": 1, "packed": True},
     "dot-packed-tma-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 2, "swap_ab": True,
                              "packed": True, "x_desc": True, "w_desc": True},
     "dequant-chunks": {"kernel": "dequant", "chunk_n": 128},

@@ -193,22 +193,22 @@ PACKED_FORMATS = [(False, 128), (True, 128), (False, -1), (True, -1), (True, 256
 
 @pytest.mark.parametrize("zero_point,group_size", PACKED_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("block_m,block_n,swap_ab,split_k,scale_weights,num_warps,descs", [
-    (16, 128, True, 3, False, 8, False), (16, 64, True, 1, True, 8, False), (64, 128, False, 1, True, 8, False),
-    (128, 128, True, 2, False, 8, False), (16, 64, True, 2, True, 4, True), (128, 64, True, 1, True, 4, True),
-    (64, 128, True, 3, True, 8, True)])
-def test_packed_dot_vs_float64(k, zero_point, group_size, dtype, block_m, block_n, swap_ab, split_k, scale_weights,
-                               num_warps, descs):
-    """The dot path on (code - zero) / 16 operands made by integer ops (group scales on the accumulator or on
-    the operand; x and the weight words by pointer loads or TMA descriptors) on poisoned outputs against
-    float64; M = 37 leaves a partial token tile, K per channel is not a multiple of 128."""
+@pytest.mark.parametrize("block_m,block_n,swap_ab,split_k,num_warps,num_stages,descs", [
+    (16, 128, True, 3, 8, 3, False), (16, 64, True, 1, 8, 3, False), (64, 128, False, 1, 8, 3, False),
+    (128, 128, True, 2, 8, 3, False), (16, 64, True, 2, 4, 3, True), (128, 64, True, 1, 4, 3, True),
+    (128, 64, True, 2, 4, 3, True), (64, 128, True, 3, 8, 4, True)])
+def test_packed_dot_vs_float64(k, zero_point, group_size, dtype, block_m, block_n, swap_ab, split_k, num_warps,
+                               num_stages, descs):
+    """The dot path on (code - zero) / 16 operands made by integer ops (x and the weight words by pointer loads
+    or TMA descriptors) on poisoned outputs against float64; M = 37 leaves a partial token tile, K per channel is
+    not a multiple of 128."""
     n, kk, m = 3000, 5120 if group_size != -1 else 5000, 37
     qw = k.quantize(_weight(n, kk, dtype, seed=6), group_size=group_size, zero_point=zero_point)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
     assert k.tuning.packed_dot_supported(None, group_size)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     config = {"kernel": "dot", "block_m": block_m, "block_n": block_n, "split_k": split_k, "swap_ab": swap_ab,
-              "num_warps": num_warps, "num_stages": 3, "packed": True, "scale_weights": scale_weights,
+              "num_warps": num_warps, "num_stages": num_stages, "packed": True,
               "x_desc": descs, "w_desc": descs}
     assert k.tuning.resolve(config, x, None, group_size)["x_desc"] == descs
     _check_launch(k, x, qw, bias, config)
@@ -383,7 +383,7 @@ SWIGLU_CONFIGS = {  # every path with the SwiGLU epilogue; resolve makes the GEM
     "dot-swap-packed-split": {"kernel": "dot", "block_m": 16, "block_n": 64, "split_k": 3, "swap_ab": True,
                               "num_warps": 4, "num_stages": 3, "packed": True},
     "dot-swap-packed-tma": {"kernel": "dot", "block_m": 64, "block_n": 128, "split_k": 1, "swap_ab": True,
-                            "num_warps": 8, "num_stages": 3, "packed": True, "scale_weights": True, "x_desc": True,
+                            "num_warps": 8, "num_stages": 3, "packed": True, "x_desc": True,
                             "w_desc": True},
     "dot-unswapped": {"kernel": "dot", "block_m": 64, "block_n": 128, "split_k": 1, "swap_ab": False, "num_warps": 8,
                       "num_stages": 3, "packed": True},

@@ -6,10 +6,9 @@ A config is a dict: ``{"kernel": "gemv", "block_n", "tiles", "split_k", "num_war
 ``True`` with the same tiles, or a dict of its own ``block_n`` / ``tiles`` / ``split_k`` / ... overrides, where
 ``x_bcast`` loads x once per tile column and broadcasts it over the rows, and ``tma`` brings the weight tiles
 in by TMA; with ``num_stages`` > 1 either is software-pipelined through shared memory),
-``{"kernel": "dot", "block_m", "block_n", "split_k", "swap_ab", "full_tile", "packed", "scale_weights",
+``{"kernel": "dot", "block_m", "block_n", "split_k", "swap_ab", "full_tile", "packed",
 "num_warps", "num_stages", "x_desc", "w_desc"}`` (``packed``: operands made by integer ops where the format allows,
-see ``triton_kernels.dot._unit_pair``; ``scale_weights``: group scales on the operand rather than the accumulator;
-``x_desc`` / ``w_desc``: x and the weight words by TMA descriptors, where x's rows are 16-byte aligned;
+see ``triton_kernels.dot._unit_pair``; ``x_desc`` / ``w_desc``: x and the weight words by TMA descriptors, where x's rows are 16-byte aligned;
 ``nf4_tables``: NF4 operands by byte permutes rather than gathers, on by default where PTX runs;
 ``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``wgmma``: where
 `wgmma_supported`, run the experimental Gluon kernel `triton_kernels.wgmma` instead, a dict of its ``block_m``,
@@ -28,7 +27,7 @@ A config says what to run where it applies; `resolve` turns it into the launch p
 dtype, device and weight format, the one place where those choices are made: ``"gemv"`` becomes
 ``"gemv_h2"`` (the packed-fp16 GEMV's own tiles merged in) or the portable ``"gemv"``; a dot config with
 ``wgmma`` becomes ``"wgmma"`` where that kernel applies; a dot config's
-``packed`` / ``scale_weights`` are kept only where the format allows them; with the SwiGLU epilogue the plan
+``packed`` is kept only where the format allows them; with the SwiGLU epilogue the plan
 says ``"swiglu": True`` and its row tiles pair gate and up rows. Launchers run a plan as it is.
 """
 
@@ -164,7 +163,8 @@ def nf4_tiles(config: dict, m: int, n: int, sm_count: int, group_size: int) -> d
     """An int4 tensor-core config made NF4's. The NF4 operands cross shared memory after their byte-permute
     lookup (`triton_kernels.nf4`), and on the H200 (2026-12-01, docs/design/w4a16.md E3, 4 shapes, groups of 64)
     8-warp tiles beat the int4 ones: 128 weight rows on 8 warps up to M = 64 (8-18 % faster), 256 tokens x 128
-    rows above (20-55 %), split-K 2 where that leaves less than one wave. The large tile only where the group
+    rows above (20-55 %), split-K 2 where that leaves less than one wave; where the waves of that grid leave many
+    SMs idle (`NF4_MIN_WAVE_USE`), dequantize + cuBLAS. The large tile only where the group
     scales go on the operands: with a scale per whole tile (groups of 128 and more) it needs a second 256 x 128
     accumulator, spills and overflows shared memory.
 
@@ -180,7 +180,22 @@ def nf4_tiles(config: dict, m: int, n: int, sm_count: int, group_size: int) -> d
     if m <= 64 or (group_size != -1 and group_size % 128 == 0):
         return {**config, "num_warps": 8} if config["block_n"] >= 128 else config
     programs = -(-m // 256) * (round_up(n, PAD_N) // 128)
-    return {**config, "block_m": 256, "block_n": 128, "num_warps": 8, "split_k": 2 if programs < sm_count else 1}
+    split = 2 if programs < sm_count else 1
+    if _wave_use(programs * split, sm_count) < NF4_MIN_WAVE_USE:
+        return {"kernel": "dequant", "chunk_n": 0}
+    return {**config, "block_m": 256, "block_n": 128, "num_warps": 8, "split_k": split}
+
+
+# NF4 at 65-511 tokens: below this share of SM slots busy over the 256 x 128 tile grid's waves, dequantize +
+# cuBLAS wins. On the H200 (docs/design/w4a16.md E21, run 65, 8 Llama-3 shapes at M = 256, groups of 64) the four
+# shapes under 0.8 (0.48-0.73) ran 1.14-1.61x faster that way; of the four above (0.85-0.97) three ran 7-24 %
+# slower, one 2 % faster.
+NF4_MIN_WAVE_USE = 0.8
+
+
+def _wave_use(programs: int, sm_count: int) -> float:
+    """The share of SM slots a grid of `programs` one-per-SM programs keeps busy over its waves."""
+    return programs / (-(-programs // sm_count) * sm_count)
 
 
 def interpreting() -> bool:
@@ -310,8 +325,6 @@ def _format_plan(config: dict, x: torch.Tensor, codebook, group_size: int, has_m
         return {**config, "nf4_tables": nf4_lookup and x.dtype != torch.float32}
     if config["kernel"] == "dot":
         packed = bool(config.get("packed", False)) and packed_dot_supported(codebook, group_size, has_mins)
-        # per-channel scales always go on the result
-        scale_weights = packed and bool(config.get("scale_weights", False)) and group_size != -1
         # descriptors (TMA) need the full-tile paths and 16-byte aligned rows of x
         full_tile = packed or bool(config.get("full_tile", False))
         x_desc = bool(config.get("x_desc", False)) and full_tile and tma_rows(x)
@@ -319,6 +332,6 @@ def _format_plan(config: dict, x: torch.Tensor, codebook, group_size: int, has_m
         nf4_tables = nf4_lookup and full_tile
         # packed fp16 multiplies of the looked-up pairs (fp16 activations; the launcher checks the scales' dtype)
         nf4_half_scale = nf4_tables and ptx and x.dtype == torch.float16 and bool(config.get("nf4_half_scale", True))
-        return {**config, "packed": packed, "scale_weights": scale_weights, "x_desc": x_desc, "w_desc": w_desc,
+        return {**config, "packed": packed, "x_desc": x_desc, "w_desc": w_desc,
                 "nf4_tables": nf4_tables, "nf4_half_scale": nf4_half_scale}
     return dict(config)

@@ -56,7 +56,7 @@ def _dot_kernel(
     NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr, SUBG: tl.constexpr,
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_K: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
-    FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, SCALE_WEIGHTS: tl.constexpr,
+    FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
     X_DESC: tl.constexpr, W_DESC: tl.constexpr, NF4_TABLES: tl.constexpr, NF4_HALF_SCALE: tl.constexpr,
     EMULATE: tl.constexpr, SWIGLU: tl.constexpr,
 ):
@@ -69,9 +69,8 @@ def _dot_kernel(
     ``W @ x.T`` so the weight rows fill the MMA's M dimension when there are few tokens.
 
     PACKED (int4 with whole-tile or per-channel groups): the planes are ``(code - zero) / 16`` made by one
-    integer instruction per weight and one packed subtraction per pair (`_unit_pair`), the 16 going on the
-    accumulator; with SCALE_WEIGHTS the group scale (times 16) is applied to the operand instead, so the
-    accumulator chain is never interrupted (larger M). On the H200 this takes ~30 % fewer instructions per
+    integer instruction per weight and one packed subtraction per pair (`_unit_pair`), the 16 and the group scale
+    going on the accumulator. On the H200 this takes ~30 % fewer instructions per
     weight than the fp32 planes and won at every M from 16 to 256 (docs/design/w4a16/dot-attempt.md).
 
     X_DESC / W_DESC: x (boxes [BLOCK_M, 128]) and the weight words (boxes [BLOCK_N, 16]) come through host
@@ -155,8 +154,6 @@ def _dot_kernel(
             u0, u1, u2, u3, u4, u5, u6, u7 = _unit_planes(w, dot_dtype == tl.bfloat16)
             wt = _natural_order(u0 - unit_zero, u1 - unit_zero, u2 - unit_zero, u3 - unit_zero,
                                 u4 - unit_zero, u5 - unit_zero, u6 - unit_zero, u7 - unit_zero)
-            if SCALE_WEIGHTS:  # the group's scale times 16 on the operand, rounded once like a dequantized weight
-                wt = wt * (tl.load(s_ptr + group_offs).to(tl.float32) * 16.0).to(dot_dtype)[:, None]
             wt = wt.to(dot_dtype)
         elif FULL_TILE and NF4_TABLES:
             wt = _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_size,
@@ -191,7 +188,7 @@ def _dot_kernel(
         else:
             acc = part
     row_ok = rows < N
-    if PACKED and not SCALE_WEIGHTS:  # the operands were (q - z) / 16
+    if PACKED:  # the operands were (q - z) / 16
         acc = acc * 16.0
     if SWAP_AB:
         if PER_CHANNEL:

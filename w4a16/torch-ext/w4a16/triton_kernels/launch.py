@@ -136,8 +136,6 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
     splits, target = _split_targets(x, out, n, num_tiles, per_split)
     flags = _format_flags(zeros, mins, codebook, group_size)
     grid = (triton.cdiv(m, block_m) * (qweight.shape[0] // block_n), splits)
-    # Scaled operands keep one accumulator chain (the MMA overlaps the next tile's dequantization).
-    packed, scale_weights = plan["packed"], plan["scale_weights"]
     x_arg, qw_arg = x, qweight
     if plan.get("x_desc", False):  # host descriptors: encoded per launch, captured by value in CUDA graphs
         x_arg = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 128])
@@ -151,12 +149,12 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
         m, n, k, num_tiles, per_split, 128 if group_size == -1 else group_size,
         x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), m * n,
         **flags, HAS_BIAS=bias is not None, PARTIAL=splits > 1, MASK_K=k % 128 != 0,
-        SCALE_ON_ACC=flags["SUBG"] == 128 and not flags["PER_CHANNEL"] and not scale_weights and mins is None,
+        SCALE_ON_ACC=flags["SUBG"] == 128 and not flags["PER_CHANNEL"] and mins is None,
         BLOCK_M=block_m, BLOCK_N=block_n, SWAP_AB=bool(plan.get("swap_ab", False)), STAGES=plan.get("num_stages", 2),
         FULL_TILE=bool(plan.get("full_tile", False)),
         # The interpreter computes bf16 dots wrongly (triton 3.9): it gets fp32 operands instead.
         UPCAST=interpreting() and x.dtype == torch.bfloat16,
-        PACKED=packed, SCALE_WEIGHTS=scale_weights,
+        PACKED=plan["packed"],
         X_DESC=bool(plan.get("x_desc", False)), W_DESC=bool(plan.get("w_desc", False)),
         NF4_TABLES=bool(plan.get("nf4_tables", False)),
         NF4_HALF_SCALE=bool(plan.get("nf4_half_scale", False)) and scales.dtype == torch.float16,
