@@ -578,3 +578,35 @@ def test_quantized_model_compiles(k):
     got = torch.compile(model, fullgraph=True)(x)
     assert _rel_err(got, eager.double()) < TOL[torch.bfloat16]
     assert _rel_err(got, want.double()) < 0.2  # 4-bit weights: the quantization error itself (~7% here)
+
+
+def test_checkpoint_loads_onto_the_gpu_as_on_the_cpu(k, tmp_path):
+    """`load_checkpoint` onto the GPU (pinned copies the host does not wait for) gives the CPU load's tensors bit
+    for bit: GPTQ layers of different sizes, so a reused pinned block that were overwritten too early would show."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(3)
+    sizes = [(256, 512), (1024, 256), (512, 1024), (256, 512)]  # (out, in)
+    tensors = {}
+    for i, (n, kk) in enumerate(sizes):
+        tensors[f"layers.{i}.qweight"] = torch.randint(-2**31, 2**31, (kk // 8, n), generator=gen, dtype=torch.int32)
+        tensors[f"layers.{i}.qzeros"] = torch.randint(-2**31, 2**31, (kk // 128, n // 8), generator=gen,
+                                                      dtype=torch.int32)
+        tensors[f"layers.{i}.scales"] = (torch.rand(kk // 128, n, generator=gen) * 1e-2 + 1e-3).half()
+        tensors[f"layers.{i}.bias"] = torch.randn(n, generator=gen).half()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "quantize_config.json").write_text('{"bits": 4, "group_size": 128, "desc_act": false, "sym": false, '
+                                                   '"checkpoint_format": "gptq"}')
+
+    def model():
+        with torch.device("meta"):
+            m = torch.nn.Module()
+            m.layers = torch.nn.ModuleList(torch.nn.Linear(kk, n) for n, kk in sizes)
+        return m
+
+    on_cpu = k.load_checkpoint(model(), tmp_path, device="cpu", dtype=torch.float16)
+    on_gpu = k.load_checkpoint(model(), tmp_path, device="cuda", dtype=torch.float16)
+    cpu_state, gpu_state = on_cpu.state_dict(), on_gpu.state_dict()
+    assert cpu_state.keys() == gpu_state.keys() and len(cpu_state) >= 4 * len(sizes)
+    for name, tensor in cpu_state.items():
+        assert gpu_state[name].is_cuda and torch.equal(gpu_state[name].cpu(), tensor), name

@@ -220,6 +220,16 @@ def _quantized_linear(model: nn.Module, prefix: str) -> nn.Linear:
     return module
 
 
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (as read from the checkpoint, on the CPU) on `device`. To a GPU through pinned memory without
+    waiting for the copy, so the copy engine moves it while the host reads the next tensor (a pageable copy
+    blocks the host for the whole transfer); torch's caching host allocator reuses the pinned block only once
+    that copy has finished."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
@@ -266,7 +276,7 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
                 key = f"{prefix}.{part}"
                 if key in where:
                     # The re-layout runs where the weight will live: on a GPU it costs little next to the read.
-                    parts[part] = where[key].get_tensor(key).to(device)
+                    parts[part] = _to_device(where[key].get_tensor(key), device)
                     consumed.add(key)
                 elif part in required:
                     raise ValueError(f"{prefix}: the checkpoint has no {key} ({scheme.method} needs "
@@ -285,7 +295,7 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
                 bias = where[bias_key].get_tensor(bias_key).to(dtype or linear.weight.dtype)
             elif linear.bias is not None:
                 raise ValueError(f"{prefix} has a bias in the model but none in the checkpoint")
-            layer = W4A16Linear(qweight, None if bias is None else bias.to(device))
+            layer = W4A16Linear(qweight, None if bias is None else _to_device(bias, device))
             _set_module(model, prefix, layer)
         dense = {name: handle for name, handle in where.items() if name not in consumed}
         _load_dense(model, dense, tuple(f"{prefix}." for prefix in prefixes), device, dtype)
@@ -315,7 +325,7 @@ def _load_dense(model: nn.Module, where: dict, quantized: tuple[str, ...], devic
                              f"{tuple(target.shape)}")
         if tensor.is_floating_point():
             tensor = tensor.to(dtype or target.dtype)
-        state[name] = tensor.to(device)
+        state[name] = _to_device(tensor, device)
     # assign=True puts the loaded tensors in place of meta parameters (copying into them would fail).
     model.load_state_dict(state, strict=False, assign=True)
     if hasattr(model, "tie_weights"):
