@@ -257,6 +257,7 @@ def test_nf4_takes_its_own_tensor_core_tiles(k):
     int4 = k.tuning.heuristic(256, 8192, 8192, 132)
     wide = k.tuning.nf4_tiles(int4, 256, 8192, 132, 64)
     assert (wide["block_m"], wide["block_n"], wide["num_warps"], wide["split_k"]) == (256, 128, 8, 2)
+    assert wide["x_desc"] and wide["w_desc"]
     assert k.tuning.nf4_tiles(int4, 256, 8192, 132, -1)["block_m"] == 256
     assert k.tuning.nf4_tiles(int4, 256, 8192, 132, 128)["block_m"] == int4["block_m"]  # one scale per tile
 
