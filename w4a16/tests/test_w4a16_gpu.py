@@ -580,9 +580,13 @@ def test_quantized_model_compiles(k):
     assert _rel_err(got, want.double()) < 0.2  # 4-bit weights: the quantization error itself (~7% here)
 
 
-def test_checkpoint_loads_onto_the_gpu_as_on_the_cpu(k, tmp_path):
-    """`load_checkpoint` onto the GPU (pinned copies the host does not wait for) gives the CPU load's tensors bit
-    for bit: GPTQ layers of different sizes, so a reused pinned block that were overwritten too early would show."""
+@pytest.mark.parametrize("slot_bytes", [None, 4096])
+def test_checkpoint_loads_onto_the_gpu_as_on_the_cpu(k, tmp_path, monkeypatch, slot_bytes):
+    """`load_checkpoint` onto the GPU (pinned slots the host refills while the copies run) gives the CPU load's
+    tensors bit for bit: GPTQ layers of different sizes, and with 4 KB slots every tensor in many pieces, so a
+    slot refilled before its copy finished would show."""
+    if slot_bytes is not None:
+        monkeypatch.setattr(k.checkpoints._HostToDevice, "SLOT_BYTES", slot_bytes)
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(3)

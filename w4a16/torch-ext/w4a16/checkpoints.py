@@ -220,14 +220,45 @@ def _quantized_linear(model: nn.Module, prefix: str) -> nn.Linear:
     return module
 
 
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` (as read from the checkpoint, on the CPU) on `device`. To a GPU through pinned memory without
-    waiting for the copy, so the copy engine moves it while the host reads the next tensor (a pageable copy
-    blocks the host for the whole transfer); torch's caching host allocator reuses the pinned block only once
-    that copy has finished."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+class _HostToDevice:
+    """Checkpoint tensors (read on the CPU) onto `device`. To a GPU through two pinned slots of `SLOT_BYTES`,
+    reused for every tensor, in slot-sized pieces: the copy engine moves one piece while the host reads the next
+    into the other slot (a pageable copy blocks the host for the whole transfer). A slot is refilled only after
+    its copy has finished. Fixed slots rather than ``tensor.pin_memory()``: on the H200 (docs/design/w4a16.md,
+    run 68) a process's first load that way paid 3.3x the read, pinning new blocks at ~0.5 ms per MB."""
+
+    SLOT_BYTES = 8 << 20
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.slots: list[torch.Tensor] = []
+        self.done: list[Optional[torch.cuda.Event]] = []
+        self.turn = 0
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+        source = tensor.contiguous().reshape(-1).view(torch.uint8)
+        target = out.reshape(-1).view(torch.uint8)
+        for start in range(0, source.numel(), self.SLOT_BYTES):
+            piece = min(self.SLOT_BYTES, source.numel() - start)
+            slot = self._free_slot()
+            slot[:piece].copy_(source[start:start + piece])
+            target[start:start + piece].copy_(slot[:piece], non_blocking=True)
+            self.done[self.turn] = torch.cuda.Event()
+            self.done[self.turn].record(torch.cuda.current_stream(self.device))  # the stream copy_ ran on
+        return out
+
+    def _free_slot(self) -> torch.Tensor:
+        if len(self.slots) < 2:
+            self.slots.append(torch.empty(self.SLOT_BYTES, dtype=torch.uint8, pin_memory=True))
+            self.done.append(None)
+            self.turn = len(self.slots) - 1
+        else:
+            self.turn = 1 - self.turn
+            self.done[self.turn].synchronize()
+        return self.slots[self.turn]
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -263,6 +294,7 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
     scheme = read_scheme(folder)
     marker = "." + _MARKER[scheme.method]
+    to_device = _HostToDevice(device)
     with _open_shards(_shard_files(folder, scheme)) as where:
         prefixes = sorted(name[: -len(marker)] for name in where if name.endswith(marker))
         if not prefixes:
@@ -276,7 +308,7 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
                 key = f"{prefix}.{part}"
                 if key in where:
                     # The re-layout runs where the weight will live: on a GPU it costs little next to the read.
-                    parts[part] = _to_device(where[key].get_tensor(key), device)
+                    parts[part] = to_device(where[key].get_tensor(key))
                     consumed.add(key)
                 elif part in required:
                     raise ValueError(f"{prefix}: the checkpoint has no {key} ({scheme.method} needs "
@@ -295,16 +327,16 @@ def load_checkpoint(model: nn.Module, folder, *, device="cpu", dtype: Optional[t
                 bias = where[bias_key].get_tensor(bias_key).to(dtype or linear.weight.dtype)
             elif linear.bias is not None:
                 raise ValueError(f"{prefix} has a bias in the model but none in the checkpoint")
-            layer = W4A16Linear(qweight, None if bias is None else _to_device(bias, device))
+            layer = W4A16Linear(qweight, None if bias is None else to_device(bias))
             _set_module(model, prefix, layer)
         dense = {name: handle for name, handle in where.items() if name not in consumed}
-        _load_dense(model, dense, tuple(f"{prefix}." for prefix in prefixes), device, dtype)
+        _load_dense(model, dense, tuple(f"{prefix}." for prefix in prefixes), to_device, dtype)
     # Buffers the model computed itself (rotary frequencies) are not in the checkpoint: they follow too.
     model.to(device)
     return fuse_projections(model) if fuse else model
 
 
-def _load_dense(model: nn.Module, where: dict, quantized: tuple[str, ...], device: torch.device,
+def _load_dense(model: nn.Module, where: dict, quantized: tuple[str, ...], to_device: _HostToDevice,
                 dtype: Optional[torch.dtype]) -> None:
     """Every remaining checkpoint tensor into the model's parameter or buffer of the same name; then a
     check that every other tensor of the model was loaded, is tied to a loaded one, or is a quantized
@@ -325,7 +357,7 @@ def _load_dense(model: nn.Module, where: dict, quantized: tuple[str, ...], devic
                              f"{tuple(target.shape)}")
         if tensor.is_floating_point():
             tensor = tensor.to(dtype or target.dtype)
-        state[name] = _to_device(tensor, device)
+        state[name] = to_device(tensor)
     # assign=True puts the loaded tensors in place of meta parameters (copying into them would fail).
     model.load_state_dict(state, strict=False, assign=True)
     if hasattr(model, "tie_weights"):
