@@ -724,7 +724,8 @@ def dequant_bandwidth(kernel, shapes=SHAPES, fmt: str = "int4", group: int = GRO
     fp16 output by CUDA-graph replay over rotated weights, the bytes it must move (4-bit words, scales, zeros in;
     fp16 out) and their share of the device copy bandwidth measured in the same run; for each of `variants`
     (keyword arguments of `triton_kernels.dequantize`: ``block_n``, ``tiles``, ``num_warps``, ``nf4_tables``;
-    by default the kernel's defaults)."""
+    by default the kernel's defaults). A first row per shape, ``{"store_only": true}``, times ``out.fill_`` alone:
+    its share (the same bytes over its time) is what the kernel could reach if storing its output were the limit."""
     warm_clocks()
     bandwidth = measure_copy_bandwidth()
     rows = []
@@ -737,6 +738,10 @@ def dequant_bandwidth(kernel, shapes=SHAPES, fmt: str = "int4", group: int = GRO
         moved = sum(t.numel() * t.element_size() for t in (first.qweight, first.scales, first.zeros, out)
                     if t is not None)
         weights = [first] + [make() for _ in range(rotation_count(moved) - 1)]
+        seconds = time_graph(lambda i, out=out: out.fill_(1.0), len(weights))
+        rows.append({"shape": label, "N": n, "K": k, "variant": {"store_only": True}, "us": seconds * 1e6,
+                     "bytes": moved, "pct_copy": 100 * moved / seconds / bandwidth})
+        print(f"{label} store only: {seconds * 1e6:.1f} us, {rows[-1]['pct_copy']:.0f} % of copy", flush=True)
 
         for variant in variants or [{}]:
             def dequantize(i, weights=weights, out=out, variant=variant):
