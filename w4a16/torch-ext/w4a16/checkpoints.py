@@ -231,9 +231,9 @@ class _HostToDevice:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.slots: list[torch.Tensor] = []
-        self.done: list[Optional[torch.cuda.Event]] = []
-        self.turn = 0
+        self.slots: list[torch.Tensor] = []  # pinned on first use
+        self.copied: list[Optional[torch.cuda.Event]] = [None, None]  # each slot's last copy
+        self.turn = 1
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -243,22 +243,21 @@ class _HostToDevice:
         target = out.reshape(-1).view(torch.uint8)
         for start in range(0, source.numel(), self.SLOT_BYTES):
             piece = min(self.SLOT_BYTES, source.numel() - start)
-            slot = self._free_slot()
+            self.turn = 1 - self.turn
+            slot = self._slot(self.turn)
             slot[:piece].copy_(source[start:start + piece])
             target[start:start + piece].copy_(slot[:piece], non_blocking=True)
-            self.done[self.turn] = torch.cuda.Event()
-            self.done[self.turn].record(torch.cuda.current_stream(self.device))  # the stream copy_ ran on
+            self.copied[self.turn] = torch.cuda.Event()
+            self.copied[self.turn].record(torch.cuda.current_stream(self.device))  # the stream copy_ ran on
         return out
 
-    def _free_slot(self) -> torch.Tensor:
-        if len(self.slots) < 2:
+    def _slot(self, i: int) -> torch.Tensor:
+        """Slot `i`, once its last copy has finished."""
+        if i == len(self.slots):
             self.slots.append(torch.empty(self.SLOT_BYTES, dtype=torch.uint8, pin_memory=True))
-            self.done.append(None)
-            self.turn = len(self.slots) - 1
-        else:
-            self.turn = 1 - self.turn
-            self.done[self.turn].synchronize()
-        return self.slots[self.turn]
+        elif self.copied[i] is not None:
+            self.copied[i].synchronize()
+        return self.slots[i]
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:

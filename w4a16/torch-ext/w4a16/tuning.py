@@ -8,7 +8,8 @@ A config is a dict: ``{"kernel": "gemv", "block_n", "tiles", "split_k", "num_war
 in by TMA; with ``num_stages`` > 1 either is software-pipelined through shared memory),
 ``{"kernel": "dot", "block_m", "block_n", "split_k", "swap_ab", "full_tile", "packed",
 "num_warps", "num_stages", "x_desc", "w_desc"}`` (``packed``: operands made by integer ops where the format allows,
-see ``triton_kernels.dot._unit_pair``; ``x_desc`` / ``w_desc``: x and the weight words by TMA descriptors, where x's rows are 16-byte aligned;
+see ``triton_kernels.dot._unit_pair``; ``x_desc`` / ``w_desc``: x and the weight words by TMA descriptors, where
+x's rows are 16-byte aligned;
 ``nf4_tables``: NF4 operands by byte permutes rather than gathers, on by default where PTX runs;
 ``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``wgmma``: where
 `wgmma_supported`, run the experimental Gluon kernel `triton_kernels.wgmma` instead, a dict of its ``block_m``,
@@ -27,7 +28,7 @@ A config says what to run where it applies; `resolve` turns it into the launch p
 dtype, device and weight format, the one place where those choices are made: ``"gemv"`` becomes
 ``"gemv_h2"`` (the packed-fp16 GEMV's own tiles merged in) or the portable ``"gemv"``; a dot config with
 ``wgmma`` becomes ``"wgmma"`` where that kernel applies; a dot config's
-``packed`` is kept only where the format allows them; with the SwiGLU epilogue the plan
+``packed`` is kept only where the format allows it; with the SwiGLU epilogue the plan
 says ``"swiglu": True`` and its row tiles pair gate and up rows. Launchers run a plan as it is.
 """
 
