@@ -163,6 +163,22 @@ def test_triton_dequantize_equals_pytorch(k, monkeypatch, fmt, zero_point, group
     assert torch.equal(triton_out, k.dequantize(qw, torch.float32))
 
 
+@pytest.mark.parametrize("fmt,zero_point,group_size", [("int4", True, 64), ("int4", False, -1), ("nf4", False, 64)])
+@pytest.mark.parametrize("tiles,stages", [(2, 3), (4, 2)])
+def test_triton_dequantize_pipelined_loop_equals_unrolled(k, fmt, zero_point, group_size, tiles, stages):
+    """The dequantize kernel's pipelined loop (stages > 1: a program's tiles past the weight's last are clamped for
+    their loads and never stored) writes what the unrolled one does, on a poisoned output; K = 320 ends inside the
+    third 128-column tile, and with 2 tiles a program the second program's last tile is past it."""
+    qw = k.quantize(_weight(N, 320, seed=5), group_size=group_size, zero_point=zero_point, fmt=fmt)
+    rows = qw.qweight.shape[0]
+    args = (qw.qweight, qw.scales, qw.zeros, qw.codebook, rows, 320, group_size, torch.float32)
+    want = k.triton_kernels.dequantize(*args)
+    out = torch.full((rows, 320), float("nan"))
+    k.triton_kernels.dequantize(*args, out=out, tiles=tiles, stages=stages)
+    assert torch.equal(out, want)
+    assert not out.isnan().any()
+
+
 @pytest.mark.parametrize("group_size,kk", [(64, 320), (128, 384), (256, 512), (-1, 200)])
 @pytest.mark.parametrize("scale_dtype,dtype", [(torch.float16, torch.float16), (torch.float16, torch.float32),
                                                (torch.bfloat16, torch.float32)])

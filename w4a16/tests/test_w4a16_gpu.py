@@ -83,6 +83,26 @@ def test_dequantize_int4_pairs_match_pytorch_reference(k, zero_point, group_size
     assert torch.equal(out.cpu(), ref)
 
 
+@pytest.mark.parametrize("variant", [{"stages": 3, "tiles": 8}, {"stages": 3, "tiles": 16, "w_desc": True},
+                                     {"o_desc": True}, {"stages": 3, "tiles": 8, "w_desc": True, "o_desc": True},
+                                     {"stages": 4, "tiles": 8, "block_n": 64}])
+@pytest.mark.parametrize("fmt,zero_point,group_size", [("int4", True, 128), ("int4", False, -1), ("nf4", False, 64)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequantize_pipelined_and_tma_variants_match_pytorch_reference(k, variant, fmt, zero_point, group_size, dtype):
+    """The dequantize kernel's pipelined word loads (cp.async or TMA) and TMA stores, bit for bit against PyTorch,
+    on poisoned outputs: 1000 rows (not a multiple of the row tile), K ending inside a 128-column tile where the
+    group size allows, tiles past the last K-tile in a program's range."""
+    kk = 3328 if group_size == 128 else 3136
+    qw = k.quantize(_weight(1000, kk, dtype), group_size=group_size, zero_point=zero_point, fmt=fmt)
+    cpu = qw.to("cpu")
+    codebook = None if cpu.codebook is None else cpu.codebook.half().float()
+    ref = k.reference.dequantize(cpu.qweight, cpu.scales, cpu.zeros, None, codebook, None, 1000, kk, group_size, dtype)
+    out = torch.full((1000, kk), float("nan"), device="cuda", dtype=dtype)
+    k.triton_kernels.dequantize(qw.qweight, qw.scales, qw.zeros, qw.codebook, 1000, kk, group_size, dtype, out=out,
+                                nf4_tables=True, **variant)
+    assert torch.equal(out.cpu(), ref)
+
+
 @pytest.mark.parametrize("group_size", [64, 128, -1])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequantize_nf4_tables_use_the_fp16_codebook(k, group_size, dtype):

@@ -50,12 +50,46 @@ def _int4_pair_planes(w, tile, rows, s_ptr, z_ptr, stride_sg, s_row, z_row, J: t
 
 
 @triton.jit
+def _dequant_tile(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, stride_sg, s_row, z_row, scale, zero, tables,
+                  group_size: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr, NF4_TABLES: tl.constexpr, HALF_SCALE: tl.constexpr,
+                  INT4_PAIRS: tl.constexpr, EMULATE: tl.constexpr, DTYPE: tl.constexpr):
+    """One [BLOCK_N, 16] word tile as its [BLOCK_N, 128] values in K order, in DTYPE (see `_dequant_kernel`)."""
+    if INT4_PAIRS:
+        p0, p4 = _int4_pair_planes(w, tile, rows, s_ptr, z_ptr, stride_sg, s_row, z_row, 0, group_size,
+                                   HAS_ZERO, PER_CHANNEL, DTYPE == tl.bfloat16)
+        p1, p5 = _int4_pair_planes(w, tile, rows, s_ptr, z_ptr, stride_sg, s_row, z_row, 1, group_size,
+                                   HAS_ZERO, PER_CHANNEL, DTYPE == tl.bfloat16)
+        p2, p6 = _int4_pair_planes(w, tile, rows, s_ptr, z_ptr, stride_sg, s_row, z_row, 2, group_size,
+                                   HAS_ZERO, PER_CHANNEL, DTYPE == tl.bfloat16)
+        p3, p7 = _int4_pair_planes(w, tile, rows, s_ptr, z_ptr, stride_sg, s_row, z_row, 3, group_size,
+                                   HAS_ZERO, PER_CHANNEL, DTYPE == tl.bfloat16)
+        v = _natural_order(p0, p1, p2, p3, p4, p5, p6, p7)
+    elif NF4_TABLES and PER_CHANNEL:
+        v = _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_size, False, False,
+                                 tl.float32, EMULATE) * scale
+        v = v.to(DTYPE)
+    elif NF4_TABLES:
+        v = _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_size, True, HALF_SCALE,
+                                 DTYPE, EMULATE)
+    elif PER_CHANNEL:
+        v = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, NF4,
+                             HAS_ZERO, False, True, False, tl.float32) * scale
+        v = v.to(DTYPE)
+    else:
+        v = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, NF4,
+                             HAS_ZERO, HAS_MIN, False, False, DTYPE)
+    return v
+
+
+@triton.jit
 def _dequant_kernel(
     qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, out_ptr,
     N, K, num_tiles, group_size: tl.constexpr, stride_qn, stride_sg, stride_on,
     NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, NF4_TABLES: tl.constexpr, HALF_SCALE: tl.constexpr,
-    INT4_PAIRS: tl.constexpr, EMULATE: tl.constexpr,
+    INT4_PAIRS: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr, W_DESC: tl.constexpr,
+    O_DESC: tl.constexpr,
 ):
     """Write the dequantized weight ``[N, K]`` (stored K order) in the output's dtype, each 128-column tile
     put back in K order in registers (`_natural_order`) and stored whole: on the H200 1-6 % faster dequantize +
@@ -67,7 +101,12 @@ def _dequant_kernel(
     tensor-core kernel does) instead of gathered per weight as float32, then scaled (HALF_SCALE: by packed fp16
     multiplies, the same single rounding for fp16 values and scales); EMULATE runs the same bits by gathers.
     INT4_PAIRS (int4 without minima into fp16 / bf16, NVIDIA): each pair of weights dequantized by two packed
-    instructions (`_int4_pair_planes`), bit-equal to the float32 planes."""
+    instructions (`_int4_pair_planes`), bit-equal to the float32 planes.
+
+    STAGES > 1: the program's TILES K-tiles in a loop whose word loads run STAGES - 1 tiles ahead (a cp.async
+    ring, or TMA with W_DESC: the words by a host descriptor, boxes [BLOCK_N, 16]); tiles past the last are
+    clamped to it for their loads and not stored. O_DESC: the output tile stored by a host descriptor (TMA,
+    boxes [BLOCK_N, 128], clipped at N and K). Else the TILES tiles are unrolled."""
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,15 +114,20 @@ def _dequant_kernel(
     col = tl.arange(0, _WORDS)
     row_ok = (rows < N)[:, None]
     zero = 0.0
+    scale = 1.0
     s_row = 0
     z_row = 0
+    if O_DESC:
+        dtype = out_ptr.dtype
+    else:
+        dtype = out_ptr.dtype.element_ty
     if PER_CHANNEL and INT4_PAIRS:
         s_row = (_half_bits(tl.load(s_ptr + rows)) * 0x00010001)[:, None]  # the row's scale in both halves
         if HAS_ZERO:
             z_row = (tl.load(z_ptr + rows).to(tl.int32) * 0x00010001)[:, None]
         else:
             z_row = tl.full([BLOCK_N, 1], 0x00080008, tl.int32)
-        z_row = z_row + (0x43004300 if out_ptr.dtype.element_ty == tl.bfloat16 else 0x64006400)
+        z_row = z_row + (0x43004300 if dtype == tl.bfloat16 else 0x64006400)
     elif PER_CHANNEL:  # `_plane` leaves per-channel scales to the caller
         scale = tl.load(s_ptr + rows).to(tl.float32)[:, None]
         if HAS_ZERO:
@@ -91,33 +135,36 @@ def _dequant_kernel(
     tables = 0
     if NF4_TABLES and not EMULATE:
         tables = _nf4_tables(cb_ptr, False)
-    for i in tl.static_range(TILES):
-        tile = pid_t * TILES + i
-        if tile < num_tiles:
-            w = tl.load(qw_ptr + rows64[:, None] * stride_qn + tile * _WORDS + col[None, :], eviction_policy="evict_first")
-            if INT4_PAIRS:
-                p0, p4 = _int4_pair_planes(w, tile, rows, s_ptr, z_ptr, stride_sg, s_row, z_row, 0, group_size,
-                                           HAS_ZERO, PER_CHANNEL, out_ptr.dtype.element_ty == tl.bfloat16)
-                p1, p5 = _int4_pair_planes(w, tile, rows, s_ptr, z_ptr, stride_sg, s_row, z_row, 1, group_size,
-                                           HAS_ZERO, PER_CHANNEL, out_ptr.dtype.element_ty == tl.bfloat16)
-                p2, p6 = _int4_pair_planes(w, tile, rows, s_ptr, z_ptr, stride_sg, s_row, z_row, 2, group_size,
-                                           HAS_ZERO, PER_CHANNEL, out_ptr.dtype.element_ty == tl.bfloat16)
-                p3, p7 = _int4_pair_planes(w, tile, rows, s_ptr, z_ptr, stride_sg, s_row, z_row, 3, group_size,
-                                           HAS_ZERO, PER_CHANNEL, out_ptr.dtype.element_ty == tl.bfloat16)
-                v = _natural_order(p0, p1, p2, p3, p4, p5, p6, p7)
-            elif NF4_TABLES and PER_CHANNEL:
-                v = _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_size, False, False,
-                                         tl.float32, EMULATE) * scale
-                v = v.to(out_ptr.dtype.element_ty)
-            elif NF4_TABLES:
-                v = _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_size, True, HALF_SCALE,
-                                         out_ptr.dtype.element_ty, EMULATE)
-            elif PER_CHANNEL:
-                v = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, NF4,
-                                     HAS_ZERO, False, True, False, tl.float32) * scale
-                v = v.to(out_ptr.dtype.element_ty)
+    if STAGES > 1:
+        for i in tl.range(0, TILES, num_stages=STAGES):
+            tile = tl.minimum(pid_t * TILES + i, num_tiles - 1)
+            if W_DESC:
+                w = qw_ptr.load([pid_n * BLOCK_N, tile * _WORDS])
             else:
-                v = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, NF4,
-                                     HAS_ZERO, HAS_MIN, False, False, out_ptr.dtype.element_ty)
-            k = tile * 128 + tl.arange(0, 128)
-            tl.store(out_ptr + rows64[:, None] * stride_on + k[None, :], v, mask=row_ok & (k < K)[None, :])
+                w = tl.load(qw_ptr + rows64[:, None] * stride_qn + tile * _WORDS + col[None, :])
+            v = _dequant_tile(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, stride_sg, s_row, z_row, scale, zero,
+                              tables, group_size, NF4, HAS_ZERO, HAS_MIN, PER_CHANNEL, NF4_TABLES, HALF_SCALE,
+                              INT4_PAIRS, EMULATE, dtype)
+            if pid_t * TILES + i < num_tiles:
+                if O_DESC:
+                    out_ptr.store([pid_n * BLOCK_N, tile * 128], v)
+                else:
+                    k = tile * 128 + tl.arange(0, 128)
+                    tl.store(out_ptr + rows64[:, None] * stride_on + k[None, :], v, mask=row_ok & (k < K)[None, :])
+    else:
+        for i in tl.static_range(TILES):
+            tile = pid_t * TILES + i
+            if tile < num_tiles:
+                if W_DESC:
+                    w = qw_ptr.load([pid_n * BLOCK_N, tile * _WORDS])
+                else:
+                    w = tl.load(qw_ptr + rows64[:, None] * stride_qn + tile * _WORDS + col[None, :],
+                                eviction_policy="evict_first")
+                v = _dequant_tile(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, stride_sg, s_row, z_row, scale, zero,
+                                  tables, group_size, NF4, HAS_ZERO, HAS_MIN, PER_CHANNEL, NF4_TABLES, HALF_SCALE,
+                                  INT4_PAIRS, EMULATE, dtype)
+                if O_DESC:
+                    out_ptr.store([pid_n * BLOCK_N, tile * 128], v)
+                else:
+                    k = tile * 128 + tl.arange(0, 128)
+                    tl.store(out_ptr + rows64[:, None] * stride_on + k[None, :], v, mask=row_ok & (k < K)[None, :])
