@@ -335,6 +335,18 @@ def test_resolve_keeps_the_dependent_launch_choice(k):
     assert not k.triton_kernels.launch.dependent_launch({"pdl": True}, x16.device)
 
 
+def test_resolve_keeps_the_nf4_lookup_choice(k):
+    """A config's "nf4_shfl" (NF4 looked up by warp shuffles) reaches the plan of whichever kernel it resolves to:
+    the packed GEMV's beneath its "half2" tiles, and the mma GEMV's beneath its "mma" ones on a GPU (here, without
+    one, the dot path's, which ignores it)."""
+    x16 = torch.zeros(16, 4096, dtype=torch.float16)
+    gemv = {"kernel": "gemv", "block_n": 8, "tiles": 8, "half2": {"num_warps": 2}, "nf4_shfl": True}
+    dot = {"kernel": "dot", "block_m": 16, "block_n": 64, "packed": True, "mma": {"num_warps": 4}, "nf4_shfl": True}
+    assert k.tuning.resolve(gemv, x16[:1], None, 128)["nf4_shfl"] is True
+    assert k.tuning.resolve(dot, x16, None, 128)["nf4_shfl"] is True
+    assert "nf4_shfl" not in k.tuning.resolve(k.tuning.heuristic(1, 4096, 4096, 132), x16[:1], None, 128)
+
+
 def test_resolve_makes_every_choice_once(k):
     """A config becomes the plan the launchers run: the packed GEMV's own tiles where it applies, the portable
     GEMV elsewhere; packed dot operands only for int4 with tile-sized groups."""

@@ -1,5 +1,6 @@
 """The NF4 codebook lookups' inline PTX, run on the CPU by a small emulator of the integer instructions they use
-(mov, and, shr, prmt, lop3), bit for bit against a direct lookup of the codebook.
+(mov, and, shr, prmt, lop3, and shfl.sync.idx over warps of 32 lanes: element i of a vector is lane i % 32), bit for
+bit against a direct lookup of the codebook.
 
 The interpreter runs the kernels' EMULATE branches instead of their PTX, so without this a GPU run would be the
 first to execute the lookups. The emulator knows only these instructions: PTX using another one fails here.
@@ -40,14 +41,27 @@ def _lop3(a, b, c, lut):
     return out
 
 
-OPS = {"mov.b32": lambda a: a, "and.b32": lambda a, b: a & b, "shr.u32": lambda a, b: a >> b,
+OPS = {"mov.b32": lambda a: a, "mov.u32": lambda a: a, "and.b32": lambda a, b: a & b, "shr.u32": lambda a, b: a >> b,
        "shr.b32": lambda a, b: a >> b, "prmt.b32": _prmt, "lop3.b32": _lop3}
 
 
+def _shfl_idx(a, b, c, mask):
+    """PTX shfl.sync.idx.b32 with c = 0x1f (one 32-lane segment) and every lane taking part: lane i reads `a` of
+    lane b & 31 of its warp."""
+    assert int(c.flat[0]) == 0x1F and int(mask.flat[0]) == 0xFFFFFFFF, "only whole-warp shuffles are emulated"
+    lanes = np.arange(a.size)
+    return a[lanes - lanes % 32 + (b & np.uint64(31)).astype(np.int64)]
+
+
+OPS["shfl.sync.idx.b32"] = _shfl_idx
+
+
 def _run_ptx(text: str, registers: dict) -> dict:
-    """Execute straight-line PTX on vectors of 32-bit values; `registers` maps operand names to arrays."""
+    """Execute straight-line PTX on vectors of 32-bit values (1-D, whole warps); `registers` maps operand names to
+    arrays."""
     shape = np.broadcast_shapes(*(np.shape(value) for value in registers.values()))
     regs = {name: np.broadcast_to(np.asarray(value, dtype=np.uint64), shape) for name, value in registers.items()}
+    regs["%laneid"] = np.arange(int(np.prod(shape)), dtype=np.uint64).reshape(shape) % np.uint64(32)
     for line in text.replace("{", "\n").replace("}", "\n").split("\n"):
         line = line.strip().rstrip(";")
         if not line or line.startswith(".reg"):
@@ -132,3 +146,50 @@ def test_emulator_catches_a_wrong_selector(k, codebook_bits):
     operands = {"$8": a, "$9": b, **{f"${10 + 2 * i}": np.uint64(t) for i, t in enumerate(tables)}}
     regs = _run_ptx(mma._nf4_planes_text().replace("0x32103210", "0x0"), operands)
     assert not np.array_equal(regs["$0"], bits[_nibble(a, 0)] | bits[_nibble(b, 0)] << np.uint64(16))
+
+
+def _lane_table(k, tables, n):
+    """`NF4_LANE_ASM` run on n lanes: each lane's entry of the codebook in the tables."""
+    text = k.triton_kernels.nf4.NF4_LANE_ASM
+    return _run_ptx(getattr(text, "value", text),
+                    {"$9": np.zeros(n, dtype=np.uint64), **{f"${1 + i}": np.uint64(t) for i, t in enumerate(tables)}})["$0"]
+
+
+def test_lane_table_holds_the_codebook_entry_of_lane_mod_16(k, codebook_bits):
+    bits, tables = codebook_bits
+    lane = _lane_table(k, tables, 64)
+    assert np.array_equal(lane & np.uint64(0xFFFF), bits[np.arange(64) % 16])
+
+
+def test_gemv_shuffle_pairs_hold_neighbouring_nibbles(k, codebook_bits):
+    """`nf4_shfl_pair_asm` as the GEMV uses it: the pair (codebook[nibble j], codebook[nibble j + 1]) of each
+    lane's own word, though every shuffle reads another lane's table entry."""
+    bits, tables = codebook_bits
+    words = _words(seed=7)
+    lane = _lane_table(k, tables, words.size)
+    for j in (0, 2, 4, 6):
+        text = k.triton_kernels.nf4.nf4_shfl_pair_asm("W", j, "W", j + 1, "out", "T")
+        regs = _run_ptx(text, {"W": words, "T": lane})
+        assert np.array_equal(regs["out"], bits[_nibble(words, j)] | bits[_nibble(words, j + 1)] << np.uint64(16))
+
+
+def test_mma_shuffle_planes_pair_the_same_nibble_of_neighbouring_words(k, codebook_bits):
+    """The mma kernel's `_nf4_shfl_planes_text`: output j pairs codebook[nibble j of a] with codebook[nibble j of
+    b], as the PRMT lookup does; the lane entry's second operand (pack 2) is never read."""
+    mma = pytest.importorskip(f"{k.__name__}.triton_kernels.mma", reason="this Triton has no Gluon")
+    bits, tables = codebook_bits
+    a, b = _words(seed=8), _words(seed=9)
+    regs = _run_ptx(mma._nf4_shfl_planes_text(),
+                    {"$8": a, "$9": b, "$10": _lane_table(k, tables, a.size), "$11": np.uint64(0xDEADBEEF)})
+    for j in range(8):
+        assert np.array_equal(regs[f"${j}"], bits[_nibble(a, j)] | bits[_nibble(b, j)] << np.uint64(16))
+
+
+def test_emulated_shuffle_reads_other_lanes(k, codebook_bits):
+    """The check can fail: without the lane table (every lane's own entry in its register instead of
+    codebook[lane % 16]) the shuffles return other values."""
+    bits, tables = codebook_bits
+    words = _words(seed=10)
+    text = k.triton_kernels.nf4.nf4_shfl_pair_asm("W", 0, "W", 1, "out", "T")
+    regs = _run_ptx(text, {"W": words, "T": bits[_nibble(words, 0)]})
+    assert not np.array_equal(regs["out"], bits[_nibble(words, 0)] | bits[_nibble(words, 1)] << np.uint64(16))

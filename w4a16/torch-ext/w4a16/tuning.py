@@ -282,8 +282,8 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bo
     minima, `has_zeros`: integer zero points; see the module doc); with `swiglu` (a fused gate / up weight in the
     SwiGLU layout) for the epilogue silu(gate) * up."""
     plan = _kernel_plan(config, x, codebook, group_size, swiglu, has_mins, has_zeros)
-    # the decode kernels' launch option, set beside the kernel choice
-    return {**plan, **({"pdl": config["pdl"]} if "pdl" in config else {})}
+    # the decode kernels' launch option and NF4 lookup (PRMT tables or warp shuffles), set beside the kernel choice
+    return {**plan, **{key: config[key] for key in ("pdl", "nf4_shfl") if key in config}}
 
 
 def _kernel_plan(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bool, has_mins: bool,

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from .common import _MAGIC, _MAGIC_BITS, _WORDS, _i32, _pdl_launch_dependents, _pdl_wait, _swiglu_rows, _word_tiles
-from .nf4 import _nf4_tables, nf4_lookup_asm
+from .nf4 import _nf4_lane_table, _nf4_tables, nf4_lookup_asm, nf4_shfl_pair_asm
 
 
 @triton.jit
@@ -298,9 +298,10 @@ def _x_group_sums(xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
 # nibble into a PRMT selector of the half, 2 PRMT pick the half, 2 PRMT interleave
 # low and high bytes into the fp16 pairs of nibbles (0, 1) and (2, 3). Nibbles 0-3 and 4-7 of a word are the
 # tile's columns 0-63 and 64-127, so each half is summed apart (scale groups of 64 work).
+_NF4_PAIRS_DOT_ASM = ("mul.rn.f16x2 t, p, XA;\nfma.rn.f16x2 t, q, XB, t;\nmov.b32 {l16, h16}, t;\n"
+                      "add.rn.f16 l16, l16, h16;\ncvt.f32.f16 OUT, l16;\n")  # the pairs p, q times x, summed
 _NF4_HALF_ASM = (nf4_lookup_asm("W", 3) + "prmt.b32 p, lo, hi, 0x5140;\nprmt.b32 q, lo, hi, 0x7362;\n"
-                 "mul.rn.f16x2 t, p, XA;\nfma.rn.f16x2 t, q, XB, t;\nmov.b32 {l16, h16}, t;\n"
-                 "add.rn.f16 l16, l16, h16;\ncvt.f32.f16 OUT, l16;\n")
+                 + _NF4_PAIRS_DOT_ASM)
 _NF4_ASM = tl.constexpr(
     "{\n.reg .b32 s, x, la, lb, ha, hb, lo, hi, p, q, t, w2;\n.reg .b16 l16, h16;\n"
     + _NF4_HALF_ASM.replace("W", "$2").replace("XA", "$11").replace("XB", "$12").replace("OUT", "$0")
@@ -309,10 +310,21 @@ _NF4_ASM = tl.constexpr(
     + "}")
 
 
+# `_NF4_ASM` with the codebook looked up by warp shuffles (`nf4.nf4_shfl_pair_asm`): $3 is this lane's entry.
+_NF4_SHFL_ASM = tl.constexpr(
+    "{\n.reg .b32 s, va, vb, p, q, t;\n.reg .b16 l16, h16;\n"
+    + nf4_shfl_pair_asm("$2", 0, "$2", 1, "p", "$3") + nf4_shfl_pair_asm("$2", 2, "$2", 3, "q", "$3")
+    + _NF4_PAIRS_DOT_ASM.replace("XA", "$4").replace("XB", "$5").replace("OUT", "$0")
+    + nf4_shfl_pair_asm("$2", 4, "$2", 5, "p", "$3") + nf4_shfl_pair_asm("$2", 6, "$2", 7, "q", "$3")
+    + _NF4_PAIRS_DOT_ASM.replace("XA", "$6").replace("XB", "$7").replace("OUT", "$1")
+    + "}")
+
+
 @triton.jit
-def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
+def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, lane_table, EMULATE: tl.constexpr, SHFL: tl.constexpr):
     """sum_j codebook[code_j] / 16 * x_j over nibbles 0-3 and over 4-7 of each word, as two fp32 tensors.
-    xp_J packs the x of nibbles 2J (low half) and 2J + 1. EMULATE computes the same in fp32."""
+    xp_J packs the x of nibbles 2J (low half) and 2J + 1. SHFL: looked up by warp shuffles from `lane_table`
+    (`nf4._nf4_lane_table`). EMULATE computes the same in fp32."""
     if EMULATE:
         lo = tl.zeros(w.shape, dtype=tl.float32)
         hi = tl.zeros(w.shape, dtype=tl.float32)
@@ -326,6 +338,9 @@ def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
             else:
                 hi += term
         return lo, hi
+    elif SHFL:
+        return tl.inline_asm_elementwise(_NF4_SHFL_ASM, "=f,=f,r,r,r,r,r,r", [w, lane_table, xp0, xp1, xp2, xp3],
+                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
     else:
         l0, l1, l2, l3, h0, h1, h2, h3 = tables
         return tl.inline_asm_elementwise(
@@ -382,7 +397,7 @@ def _gemv_h2_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
     X_BCAST: tl.constexpr, W_DESC: tl.constexpr, EMULATE: tl.constexpr, SWIGLU: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, NF4_SHFL: tl.constexpr = False,
 ):
     """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
     `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
@@ -422,8 +437,11 @@ def _gemv_h2_kernel(
         if HAS_ZERO:
             zlo, zhi = _h2_zero_pairs(tl.load(z_ptr + rows).to(tl.float32)[:, None, None] + acc)
     tables = 0
+    lane_table = 0
     if NF4 and not EMULATE:
         tables = _nf4_tables(cb_ptr, True)
+        if NF4_SHFL:
+            lane_table = _nf4_lane_table(tables, [BLOCK_N, TILES, _WORDS])
     if PREFETCH:
         w_next = _word_tiles(w_ptrs, first + tile_ar, (first + tile_ar < num_tiles) & (tile_ar < tiles_per_split), True)
     for it in tl.range(0, tiles_per_split, TILES, num_stages=STAGES):
@@ -476,7 +494,7 @@ def _gemv_h2_kernel(
             x_scale = tl.load(xs_ptr + m * num_tiles + x_tile, mask=x_tile < num_tiles, other=0.0)[None, :]
             s = s * x_scale
         if NF4:
-            part, part_hi = _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, EMULATE)
+            part, part_hi = _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, lane_table, EMULATE, NF4_SHFL)
             if HALF_GROUPS:  # columns 64-127 of the tile are the next scale group: both halves scaled here
                 s_hi = tl.load(s_ptr + param_offs + stride_sg, mask=live[None, :], other=0.0).to(tl.float32)
                 if X_SCALED:

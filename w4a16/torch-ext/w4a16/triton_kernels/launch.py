@@ -121,6 +121,7 @@ def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, 
         NF4=codebook is not None, HALF_GROUPS=codebook is not None and group_size == 64,
         INT4_GROUPS=128 // group_size if codebook is None and group_size in (32, 64) else 1,
         X_BCAST=bool(plan.get("x_bcast", False)), W_DESC=w_desc, EMULATE=interpreting(),
+        NF4_SHFL=codebook is not None and bool(plan.get("nf4_shfl", False)) and not interpreting(),
         # masked tiles mask x per tile (MASK_TILES); descriptor boxes are loaded in the loop, not ahead
         **dict(flags, MASK_X=k % 128 != 0, PREFETCH=flags["PREFETCH"] and not w_desc), PDL=pdl, launch_pdl=pdl,
     )
@@ -223,7 +224,7 @@ def _launch_mma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
         GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
         NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, REPS=reps,
         TILES=tiles, MASK_K=k % 128 != 0, X_SMEM=bool(plan.get("x_smem", False)), STAGES=stages, num_warps=warps,
-        PDL=pdl, launch_pdl=pdl,
+        PDL=pdl, launch_pdl=pdl, NF4_SHFL=codebook is not None and bool(plan.get("nf4_shfl", False)),
     )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False, pdl)

@@ -27,7 +27,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .nf4 import nf4_select_asm
+from .nf4 import NF4_LANE_ASM, nf4_select_asm, nf4_shfl_pair_asm
 
 
 @gluon.constexpr_function
@@ -87,8 +87,19 @@ def _nf4_planes_text() -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
+def _nf4_shfl_planes_text() -> str:
+    """`_nf4_planes_text` with the codebook looked up by warp shuffles (`nf4.nf4_shfl_pair_asm`) from this lane's
+    entry at $10 (`NF4_LANE_ASM`; pack 2 passes it twice): 16 shuffles, 14 shifts and 8 PRMT per 16 weights."""
+    lines = [".reg .b32 s, va, vb;"]
+    for j in range(8):
+        lines.append(nf4_shfl_pair_asm("$8", j, "$9", j, f"${j}", "$10").rstrip("\n"))
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
 _NF4_PLANES_ASM = gl.constexpr(_nf4_planes_text())
 _NF4_PLANES_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 18))
+_NF4_SHFL_PLANES_ASM = gl.constexpr(_nf4_shfl_planes_text())
+_NF4_SHFL_PLANES_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 4))
 
 
 @gluon.jit
@@ -115,14 +126,29 @@ def _nf4_tables(cb_ptr, z, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _nf4_tile(words, tables, x_like):
+def _nf4_tile(words, tables, x_like, SHFL: gl.constexpr):
     """The K-tile's 8 A operands from NF4 words, in x's dtype (`x_like`): codebook values / 16
-    (`_nf4_planes_text`)."""
-    t0, t1, t2, t3, t4, t5, t6, t7 = tables
+    (`_nf4_planes_text`; SHFL: `_nf4_shfl_planes_text`, `tables` then being this lane's entry)."""
     dtype = x_like.dtype
-    return gl.inline_asm_elementwise(_NF4_PLANES_ASM, _NF4_PLANES_CONSTRAINTS,
-                                     [words, t0, t1, t2, t3, t4, t5, t6, t7],
+    if SHFL:
+        text: gl.constexpr = _NF4_SHFL_PLANES_ASM
+        constraints: gl.constexpr = _NF4_SHFL_PLANES_CONSTRAINTS
+        operands = [words, tables]
+    else:
+        text: gl.constexpr = _NF4_PLANES_ASM
+        constraints: gl.constexpr = _NF4_PLANES_CONSTRAINTS
+        t0, t1, t2, t3, t4, t5, t6, t7 = tables
+        operands = [words, t0, t1, t2, t3, t4, t5, t6, t7]
+    return gl.inline_asm_elementwise(text, constraints, operands,
                                      (dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
+
+
+@gluon.jit
+def _nf4_lane_entry(tables):
+    """This lane's codebook entry from the 8 tables (`nf4.NF4_LANE_ASM`), shaped like them."""
+    t0, t1, t2, t3, t4, t5, t6, t7 = tables
+    return gl.inline_asm_elementwise(NF4_LANE_ASM, "=r,r,r,r,r,r,r,r,r", [t0, t1, t2, t3, t4, t5, t6, t7],
+                                     gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -199,7 +225,7 @@ def _x_shared(x_tile, layout: gl.constexpr):
 @gluon.jit
 def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, nf4_tables, tile, i: gl.constexpr, live,
               rows, s_rows, s_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
-              SCALE_RING: gl.constexpr, NF4: gl.constexpr):
+              SCALE_RING: gl.constexpr, NF4: gl.constexpr, NF4_SHFL: gl.constexpr):
     """One K-tile (tile `i` of its iteration) into `acc`: the 8 A operands from its words, and per chunk j one MMA
     with x's fragment j (`xs`, zero where not live); each scale group's sum scaled once. `zlo` / `zhi`: the zero
     constants when they are the same for every tile (per channel, symmetric). With SCALE_RING the iteration's
@@ -223,7 +249,7 @@ def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, nf4
             zlo3, zhi3 = _zeros_at(z_ptr, z_ring, g0 + 3, s_stride, rows, live, z_layout, dtype, SCALE_RING)
             c2, c3, c4, c5, c6, c7 = zlo1, zhi1, zlo2, zhi2, zlo3, zhi3
     if NF4:
-        a = _nf4_tile(words, nf4_tables, xs[0])
+        a = _nf4_tile(words, nf4_tables, xs[0], NF4_SHFL)
     else:
         a = _dequant_tile(words, c0, c1, c2, c3, c4, c5, c6, c7)
     part = gl.zeros_like(acc)
@@ -273,7 +299,8 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                      GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, NF4: gl.constexpr,
                      HAS_BIAS: gl.constexpr,
                      PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, REPS: gl.constexpr, TILES: gl.constexpr,
-                     MASK_K: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+                     MASK_K: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+                     NF4_SHFL: gl.constexpr = False):
     """Program (token tile of BLOCK_M = 8, 16, 32 or 64, row tile of 16 x warps x REPS, K split): K-tiles
     [split * per_split, ...) of `num_tiles`, TILES of them per iteration (their loads issued together: long
     runs of each row per request burst, as the GEMV's many tiles per iteration); with PARTIAL the fp32 sums go to
@@ -314,6 +341,8 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
     nf4_tables = None
     if NF4:
         nf4_tables = _nf4_tables(cb_ptr, gl.zeros([BLOCK_N, 16], gl.int32, layout=a_layout), x_ptr.dtype.element_ty)
+        if NF4_SHFL:  # the lookup by warp shuffles reads this lane's entry instead of the tables
+            nf4_tables = _nf4_lane_entry(nf4_tables)
     if X_SMEM or RING:
         # rows of 8 x values per thread (16-byte loads and stores), rows contiguous along K in shared memory
         xr_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
@@ -366,7 +395,8 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                 xs = _x_shared(x_slot.slice(128 * i, 128, dim=1), b_layout)
                 words = w_slot.slice(16 * i, 16, dim=1).load(a_layout)
                 acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, slot * GROUPS, zlo, zhi, nf4_tables,
-                                tile, i, live, rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, SCALE_RING, NF4)
+                                tile, i, live, rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, SCALE_RING, NF4,
+                                NF4_SHFL)
         async_copy.wait_group(0)
     else:
         if X_SMEM:
@@ -389,7 +419,7 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                     xs = _x_global(x_ptrs, m_ok, live, x_k, tile * 128, K, MASK_K)
                 words = gl.load(w_ptrs + tile * 16, mask=live, other=0)
                 acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, None, None, 0, zlo, zhi, nf4_tables, tile, i, live,
-                                rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, False, NF4)
+                                rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, False, NF4, NF4_SHFL)
     if PDL:  # the next kernel may launch (`common._pdl_launch_dependents`)
         tl.extra.cuda.gdc_launch_dependents()
     acc = acc * 16.0

@@ -61,6 +61,44 @@ def nf4_select_asm(selector: str, halves: str, tables: list[str]) -> str:
             f"prmt.b32 lo, la, lb, {halves};\nprmt.b32 hi, ha, hb, {halves};\n")
 
 
+# The lookup by warp shuffles (`nf4_shfl`): the integer pipe, which the PRMT lookup saturates (E16), is half the
+# FP32 rate on sm_90, while `shfl.sync.idx` runs on another unit. Lane l holds codebook[l % 16] (`NF4_LANE_ASM`),
+# and a shuffle reads the lane named by the low 5 bits of its index, so a word shifted right by 4 j reads
+# codebook[nibble j] with no mask (bit 4, the next nibble's lowest, only picks the other copy of the same entry).
+# Per 2 nibbles: 2 shuffles, up to 2 shifts and 1 PRMT pairing the two low halves (the PRMT lookup: 5.5).
+def nf4_shfl_pair_asm(word_a: str, j_a: int, word_b: str, j_b: int, out: str, lane_table: str) -> str:
+    """PTX: `out` = the pair (codebook[nibble j_a of `word_a`], codebook[nibble j_b of `word_b`]) from the lane table
+    register `lane_table` (`NF4_LANE_ASM`); needs .b32 registers s, va, vb."""
+    lines = []
+    for word, nibble, dest in ((word_a, j_a, "va"), (word_b, j_b, "vb")):
+        src = word
+        if nibble:
+            lines.append(f"shr.b32 s, {word}, {4 * nibble};")
+            src = "s"
+        lines.append(f"shfl.sync.idx.b32 {dest}, {lane_table}, {src}, 0x1f, 0xffffffff;")
+    lines.append(f"prmt.b32 {out}, va, vb, 0x5410;")
+    return "\n".join(lines) + "\n"
+
+
+# This lane's codebook entry, codebook[lane % 16] (low half; the high half is never read), looked up once per
+# program in the PRMT tables at $1-$8.
+NF4_LANE_ASM = tl.constexpr("{\n.reg .b32 l, s, x, la, lb, ha, hb, lo, hi;\nmov.u32 l, %laneid;\n"
+                               + nf4_lookup_asm("l", 1)
+                               + "prmt.b32 $0, lo, hi, 0x5140;\n}")
+
+
+@triton.jit
+def _nf4_lane_table(tables, shape):
+    """`NF4_LANE_ASM` as a tensor of `shape` (every element of a thread the same value, so one register)."""
+    t0, t1, t2, t3, t4, t5, t6, t7 = tables
+    return tl.inline_asm_elementwise(
+        NF4_LANE_ASM, "=r,r,r,r,r,r,r,r,r",
+        [tl.broadcast_to(t0, shape), tl.broadcast_to(t1, shape), tl.broadcast_to(t2, shape),
+         tl.broadcast_to(t3, shape), tl.broadcast_to(t4, shape), tl.broadcast_to(t5, shape),
+         tl.broadcast_to(t6, shape), tl.broadcast_to(t7, shape)],
+        dtype=tl.int32, is_pure=True, pack=1)
+
+
 # The tensor-core kernel's NF4 operands: for each 32-bit word, 4 fp16 pairs (codebook[nibble J] in the low
 # half, codebook[nibble J + 4] in the high half), the layout `dot._unit_pair` gives int4. Bytes 0 and 2 of
 # the word (nibbles 0, 1, 4, 5) and then bytes 1 and 3 (nibbles 2, 3, 6, 7) are gathered into one selector
