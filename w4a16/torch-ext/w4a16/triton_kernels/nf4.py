@@ -89,7 +89,9 @@ NF4_LANE_ASM = tl.constexpr("{\n.reg .b32 l, s, x, la, lb, ha, hb, lo, hi;\nmov.
 
 @triton.jit
 def _nf4_lane_table(tables, shape):
-    """`NF4_LANE_ASM` as a tensor of `shape` (every element of a thread the same value, so one register)."""
+    """`NF4_LANE_ASM` as a tensor of `shape` (every element of a thread the same value, so one register). Its
+    operands are scalars, so Triton computes it once per thread and splats it: a splat never moves a value to
+    another thread, as a layout conversion of a lane-dependent tensor would (sm_90 TTGIR: `tt.splat`)."""
     t0, t1, t2, t3, t4, t5, t6, t7 = tables
     return tl.inline_asm_elementwise(
         NF4_LANE_ASM, "=r,r,r,r,r,r,r,r,r",
