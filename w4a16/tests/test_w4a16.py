@@ -347,6 +347,13 @@ def test_resolve_keeps_the_nf4_lookup_choice(k):
     assert "nf4_shfl" not in k.tuning.resolve(k.tuning.heuristic(1, 4096, 4096, 132), x16[:1], None, 128)
 
 
+def test_nf4_lookup_choice_is_checked(k):
+    """"nf4_shfl" takes true, false or "half"; anything else is refused by name before a launch."""
+    with pytest.raises(ValueError, match="nf4_shfl"):
+        k.triton_kernels.launch._nf4_shuffled_halves({"nf4_shfl": "all"}, torch.zeros(16))
+    assert k.triton_kernels.launch._nf4_shuffled_halves({"nf4_shfl": True}, None) == 0  # int4: no lookup
+
+
 def test_resolve_makes_every_choice_once(k):
     """A config becomes the plan the launchers run: the packed GEMV's own tiles where it applies, the portable
     GEMV elsewhere; packed dot operands only for int4 with tile-sized groups."""

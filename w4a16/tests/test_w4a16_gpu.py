@@ -308,16 +308,18 @@ def test_mma_gemv_vs_float64(k, fmt, zero_point, group_size, dtype, tiles, m):
                                    {"block_m": 16, "num_warps": 4, "reps": 2, "tiles": 2, "stages": 3, "split_k": 2}],
                          ids=["8x128-3tiles-split3", "16x64-4tiles-2stages", "16x128-2tiles-3stages-split2"])
 @pytest.mark.parametrize("m", [1, 13])
-def test_mma_gemv_nf4_shuffle_lookup_vs_float64(k, group_size, dtype, tiles, m):
-    """NF4 on the mma GEMV with the codebook looked up by warp shuffles (`nf4_shfl`), on poisoned outputs against
-    float64, and bit-equal to the PRMT lookup (both give the codebook / 16 in x's dtype exactly)."""
+@pytest.mark.parametrize("shuffled", [True, "half"])
+def test_mma_gemv_nf4_shuffle_lookup_vs_float64(k, group_size, dtype, tiles, m, shuffled):
+    """NF4 on the mma GEMV with the codebook looked up by warp shuffles (`nf4_shfl`: every nibble, or half of
+    them), on poisoned outputs against float64, and bit-equal to the PRMT lookup (all give the codebook / 16 in
+    x's dtype exactly)."""
     n, kk = 3000, 5120
     qw = k.quantize(_weight(n, kk, dtype, seed=12), group_size=group_size, fmt="nf4")
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
     config = {**k.tuning.heuristic(m, n, kk, 132), "mma": tiles}
-    shuffle = {**config, "nf4_shfl": True}
+    shuffle = {**config, "nf4_shfl": shuffled}
     plan = k.tuning.resolve(shuffle, x, qw.codebook, group_size)
-    assert plan["kernel"] == "mma" and plan["nf4_shfl"]
+    assert plan["kernel"] == "mma" and plan["nf4_shfl"] == shuffled
     _check_launch(k, x, qw, None, shuffle)
     shuffled, permuted = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, None, qw.codebook, None, n, kk, group_size,
                                                   c) for c in (shuffle, config))
@@ -406,7 +408,7 @@ def test_nf4_dot_vs_float64(k, group_size, dtype, swap_ab, descs, nf4_tables, ha
 @pytest.mark.parametrize("pipeline", [{}, {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True},
                                       {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True, "num_warps": 2}],
                          ids=["plain", "bcast-tma", "bcast-tma-2warps"])
-@pytest.mark.parametrize("lookup", [{}, {"nf4_shfl": True}], ids=["prmt", "shfl"])
+@pytest.mark.parametrize("lookup", [{}, {"nf4_shfl": True}, {"nf4_shfl": "half"}], ids=["prmt", "shfl", "shfl-half"])
 def test_half2_gemv_nf4_vs_float64(k, group_size, dtype, pipeline, lookup):
     """NF4 through the packed-fp16 GEMV (codebook looked up with PRMT byte permutes or warp shuffles, inline PTX),
     with groups of 64 (each half of a 128-column tile scaled apart), on poisoned outputs against float64."""

@@ -173,14 +173,21 @@ def test_gemv_shuffle_pairs_hold_neighbouring_nibbles(k, codebook_bits):
         assert np.array_equal(regs["out"], bits[_nibble(words, j)] | bits[_nibble(words, j + 1)] << np.uint64(16))
 
 
-def test_mma_shuffle_planes_pair_the_same_nibble_of_neighbouring_words(k, codebook_bits):
-    """The mma kernel's `_nf4_shfl_planes_text`: output j pairs codebook[nibble j of a] with codebook[nibble j of
-    b], as the PRMT lookup does; the lane entry's second operand (pack 2) is never read."""
+@pytest.mark.parametrize("shuffled", [1, 2])
+def test_mma_shuffle_planes_pair_the_same_nibble_of_neighbouring_words(k, codebook_bits, shuffled):
+    """The mma kernel's `_nf4_planes_text` with one or both halves looked up by shuffles: output j pairs
+    codebook[nibble j of a] with codebook[nibble j of b], as the PRMT lookup does; each second operand (pack 2) is
+    never read."""
     mma = pytest.importorskip(f"{k.__name__}.triton_kernels.mma", reason="this Triton has no Gluon")
     bits, tables = codebook_bits
     a, b = _words(seed=8), _words(seed=9)
-    regs = _run_ptx(mma._nf4_shfl_planes_text(),
-                    {"$8": a, "$9": b, "$10": _lane_table(k, tables, a.size), "$11": np.uint64(0xDEADBEEF)})
+    operands, n = {"$8": a, "$9": b}, 10
+    if shuffled < 2:
+        for i, t in enumerate(tables):
+            operands[f"${n + 2 * i}"], operands[f"${n + 2 * i + 1}"] = np.uint64(t), np.uint64(0xDEADBEEF)
+        n += 16
+    operands[f"${n}"], operands[f"${n + 1}"] = _lane_table(k, tables, a.size), np.uint64(0xDEADBEEF)
+    regs = _run_ptx(mma._nf4_planes_text(shuffled), operands)
     for j in range(8):
         assert np.array_equal(regs[f"${j}"], bits[_nibble(a, j)] | bits[_nibble(b, j)] << np.uint64(16))
 

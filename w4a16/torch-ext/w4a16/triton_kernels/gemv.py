@@ -300,31 +300,41 @@ def _x_group_sums(xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
 # tile's columns 0-63 and 64-127, so each half is summed apart (scale groups of 64 work).
 _NF4_PAIRS_DOT_ASM = ("mul.rn.f16x2 t, p, XA;\nfma.rn.f16x2 t, q, XB, t;\nmov.b32 {l16, h16}, t;\n"
                       "add.rn.f16 l16, l16, h16;\ncvt.f32.f16 OUT, l16;\n")  # the pairs p, q times x, summed
-_NF4_HALF_ASM = (nf4_lookup_asm("W", 3) + "prmt.b32 p, lo, hi, 0x5140;\nprmt.b32 q, lo, hi, 0x7362;\n"
-                 + _NF4_PAIRS_DOT_ASM)
-_NF4_ASM = tl.constexpr(
-    "{\n.reg .b32 s, x, la, lb, ha, hb, lo, hi, p, q, t, w2;\n.reg .b16 l16, h16;\n"
-    + _NF4_HALF_ASM.replace("W", "$2").replace("XA", "$11").replace("XB", "$12").replace("OUT", "$0")
-    + "shr.b32 w2, $2, 16;\n"
-    + _NF4_HALF_ASM.replace("W", "w2").replace("XA", "$13").replace("XB", "$14").replace("OUT", "$1")
-    + "}")
 
 
-# `_NF4_ASM` with the codebook looked up by warp shuffles (`nf4.nf4_shfl_pair_asm`): $3 is this lane's entry.
-_NF4_SHFL_ASM = tl.constexpr(
-    "{\n.reg .b32 s, va, vb, p, q, t;\n.reg .b16 l16, h16;\n"
-    + nf4_shfl_pair_asm("$2", 0, "$2", 1, "p", "$3") + nf4_shfl_pair_asm("$2", 2, "$2", 3, "q", "$3")
-    + _NF4_PAIRS_DOT_ASM.replace("XA", "$4").replace("XB", "$5").replace("OUT", "$0")
-    + nf4_shfl_pair_asm("$2", 4, "$2", 5, "p", "$3") + nf4_shfl_pair_asm("$2", 6, "$2", 7, "q", "$3")
-    + _NF4_PAIRS_DOT_ASM.replace("XA", "$6").replace("XB", "$7").replace("OUT", "$1")
-    + "}")
+def _nf4_word_dot_asm(shuffled: int) -> tuple[str, str]:
+    """PTX and constraints of `_nf4_word_dot`: its two sums from the word at $2, nibbles 0-3 then 4-7, the first
+    `shuffled` (0, 1 or 2) of those halves looked up by warp shuffles (`nf4.nf4_shfl_pair_asm`, from this lane's
+    entry), the others by PRMT in the 8 tables. Operands: $2 the word, the tables (unless both halves shuffle),
+    the lane entry (if one does), then the 4 x pairs."""
+    n = 3
+    if shuffled < 2:
+        tables, n = n, n + 8
+    if shuffled:
+        lane, n = f"${n}", n + 1
+    x_pairs = [f"${n + i}" for i in range(4)]
+    text = "{\n.reg .b32 s, x, la, lb, ha, hb, lo, hi, va, vb, p, q, t, w2;\n.reg .b16 l16, h16;\nshr.b32 w2, $2, 16;\n"
+    for half, word in enumerate(("$2", "w2")):
+        if half < shuffled:
+            text += nf4_shfl_pair_asm(word, 0, word, 1, "p", lane) + nf4_shfl_pair_asm(word, 2, word, 3, "q", lane)
+        else:
+            text += nf4_lookup_asm(word, tables) + "prmt.b32 p, lo, hi, 0x5140;\nprmt.b32 q, lo, hi, 0x7362;\n"
+        text += (_NF4_PAIRS_DOT_ASM.replace("XA", x_pairs[2 * half]).replace("XB", x_pairs[2 * half + 1])
+                 .replace("OUT", f"${half}"))
+    return text + "}", ",".join(["=f"] * 2 + ["r"] * (n + 2))
+
+
+_NF4_ASM, _NF4_CONSTRAINTS = (tl.constexpr(v) for v in _nf4_word_dot_asm(0))
+_NF4_HALF_SHFL_ASM, _NF4_HALF_SHFL_CONSTRAINTS = (tl.constexpr(v) for v in _nf4_word_dot_asm(1))
+_NF4_SHFL_ASM, _NF4_SHFL_CONSTRAINTS = (tl.constexpr(v) for v in _nf4_word_dot_asm(2))
 
 
 @triton.jit
 def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, lane_table, EMULATE: tl.constexpr, SHFL: tl.constexpr):
     """sum_j codebook[code_j] / 16 * x_j over nibbles 0-3 and over 4-7 of each word, as two fp32 tensors.
-    xp_J packs the x of nibbles 2J (low half) and 2J + 1. SHFL: looked up by warp shuffles from `lane_table`
-    (`nf4._nf4_lane_table`). EMULATE computes the same in fp32."""
+    xp_J packs the x of nibbles 2J (low half) and 2J + 1. SHFL (0, 1, 2): that many of the two halves looked up
+    by warp shuffles from `lane_table` (`nf4._nf4_lane_table`), the rest by PRMT (`_nf4_word_dot_asm`). EMULATE
+    computes the same in fp32."""
     if EMULATE:
         lo = tl.zeros(w.shape, dtype=tl.float32)
         hi = tl.zeros(w.shape, dtype=tl.float32)
@@ -338,17 +348,21 @@ def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, lane_table, EMULATE: tl
             else:
                 hi += term
         return lo, hi
-    elif SHFL:
-        return tl.inline_asm_elementwise(_NF4_SHFL_ASM, "=f,=f,r,r,r,r,r,r", [w, lane_table, xp0, xp1, xp2, xp3],
+    elif SHFL == 2:
+        return tl.inline_asm_elementwise(_NF4_SHFL_ASM, _NF4_SHFL_CONSTRAINTS, [w, lane_table, xp0, xp1, xp2, xp3],
                                          dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
     else:
         l0, l1, l2, l3, h0, h1, h2, h3 = tables
-        return tl.inline_asm_elementwise(
-            _NF4_ASM, "=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,r",
-            [w, tl.broadcast_to(l0, w.shape), tl.broadcast_to(l1, w.shape), tl.broadcast_to(l2, w.shape),
-             tl.broadcast_to(l3, w.shape), tl.broadcast_to(h0, w.shape), tl.broadcast_to(h1, w.shape),
-             tl.broadcast_to(h2, w.shape), tl.broadcast_to(h3, w.shape), xp0, xp1, xp2, xp3],
-            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        operands = [w, tl.broadcast_to(l0, w.shape), tl.broadcast_to(l1, w.shape), tl.broadcast_to(l2, w.shape),
+                    tl.broadcast_to(l3, w.shape), tl.broadcast_to(h0, w.shape), tl.broadcast_to(h1, w.shape),
+                    tl.broadcast_to(h2, w.shape), tl.broadcast_to(h3, w.shape)]
+        if SHFL == 1:
+            return tl.inline_asm_elementwise(_NF4_HALF_SHFL_ASM, _NF4_HALF_SHFL_CONSTRAINTS,
+                                             operands + [lane_table, xp0, xp1, xp2, xp3],
+                                             dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_NF4_ASM, _NF4_CONSTRAINTS, operands + [xp0, xp1, xp2, xp3],
+                                             dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -397,7 +411,7 @@ def _gemv_h2_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
     X_BCAST: tl.constexpr, W_DESC: tl.constexpr, EMULATE: tl.constexpr, SWIGLU: tl.constexpr,
-    PDL: tl.constexpr, NF4_SHFL: tl.constexpr = False,
+    PDL: tl.constexpr, NF4_SHFL: tl.constexpr = 0,
 ):
     """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
     `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
@@ -440,7 +454,7 @@ def _gemv_h2_kernel(
     lane_table = 0
     if NF4 and not EMULATE:
         tables = _nf4_tables(cb_ptr, True)
-        if NF4_SHFL:
+        if NF4_SHFL > 0:
             lane_table = _nf4_lane_table(tables, [BLOCK_N, TILES, _WORDS])
     if PREFETCH:
         w_next = _word_tiles(w_ptrs, first + tile_ar, (first + tile_ar < num_tiles) & (tile_ar < tiles_per_split), True)

@@ -32,6 +32,17 @@ def _or(t, placeholder):
     return t if t is not None else placeholder
 
 
+def _nf4_shuffled_halves(plan: dict, codebook) -> int:
+    """How many of a word's two nibble halves the NF4 GEMVs look up by warp shuffles: plan "nf4_shfl" true (both),
+    "half" (one; the other by PRMT), absent or false (none). The interpreter runs the kernels' emulation instead."""
+    choice = plan.get("nf4_shfl", False)
+    if choice not in (False, True, "half"):
+        raise ValueError(f"config: nf4_shfl must be true, false or \"half\"; got {choice!r}")
+    if codebook is None or interpreting():
+        return 0
+    return {False: 0, "half": 1, True: 2}[choice]
+
+
 def _reduce_splits(part, bias, out, n, swiglu, pdl: bool = False) -> None:
     """`part` ``[splits, M, n]`` summed (+ bias) into `out`: ``[M, n]``, or with `swiglu` ``[M, n // 2]``; `pdl`:
     launched as a programmatic dependent of the split kernel."""
@@ -121,7 +132,7 @@ def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, 
         NF4=codebook is not None, HALF_GROUPS=codebook is not None and group_size == 64,
         INT4_GROUPS=128 // group_size if codebook is None and group_size in (32, 64) else 1,
         X_BCAST=bool(plan.get("x_bcast", False)), W_DESC=w_desc, EMULATE=interpreting(),
-        NF4_SHFL=codebook is not None and bool(plan.get("nf4_shfl", False)) and not interpreting(),
+        NF4_SHFL=_nf4_shuffled_halves(plan, codebook),
         # masked tiles mask x per tile (MASK_TILES); descriptor boxes are loaded in the loop, not ahead
         **dict(flags, MASK_X=k % 128 != 0, PREFETCH=flags["PREFETCH"] and not w_desc), PDL=pdl, launch_pdl=pdl,
     )
@@ -224,7 +235,7 @@ def _launch_mma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
         GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
         NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, REPS=reps,
         TILES=tiles, MASK_K=k % 128 != 0, X_SMEM=bool(plan.get("x_smem", False)), STAGES=stages, num_warps=warps,
-        PDL=pdl, launch_pdl=pdl, NF4_SHFL=codebook is not None and bool(plan.get("nf4_shfl", False)),
+        PDL=pdl, launch_pdl=pdl, NF4_SHFL=_nf4_shuffled_halves(plan, codebook),
     )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False, pdl)

@@ -63,18 +63,28 @@ def _pair_planes_constraints():
     return ",".join(["=r"] * 8 + ["r"] * 2 + ["r"] * 8)
 
 
-def _nf4_planes_text() -> str:
+def _nf4_planes_text(shuffled: int = 0) -> str:
     """PTX: two neighbouring NF4 words a = $8, b = $9 -> outputs $0-$7, the pairs (codebook[nibble j of a],
-    codebook[nibble j of b]) / 16 for j = 0-7, looked up by byte permutes in the 8 tables (`nf4`) at $10, $12, ...,
-    $24 (int32 inputs of a pack-2 asm take an operand per element: each table comes twice). Bytes p of a and b
-    side by side (PRMT 0x5140 for bytes 0-1, 0x7362 for 2-3) make the selectors of pairs 2p and 2p + 1 in one
-    16-bit half; the 3-bit selectors and the half selectors of 8 nibbles come from one AND and a shift and a LOP3:
-    44 instructions per 16 weights (int4's `_pair_planes_asm`: 20)."""
-    tables = [f"${10 + 2 * i}" for i in range(8)]
+    codebook[nibble j of b]) / 16 for j = 0-7; the first `shuffled` (0, 1 or 2) of the halves j = 0-3, 4-7 looked
+    up by warp shuffles (`nf4.nf4_shfl_pair_asm`: 16 shuffles, 14 shifts and 8 PRMT per 16 weights for both)
+    from this lane's entry, the others by byte permutes in the 8 tables (`nf4`). Operands after the words: the
+    tables at $10, $12, ..., $24 unless both halves shuffle, then the lane entry (int32 inputs of a pack-2 asm take
+    an operand per element: each comes twice). PRMT: bytes p of a and b side by side (PRMT 0x5140 for bytes 0-1,
+    0x7362 for 2-3) make the selectors of pairs 2p and 2p + 1 in one 16-bit half; the 3-bit selectors and the half
+    selectors of 8 nibbles come from one AND and a shift and a LOP3: 44 instructions per 16 weights (int4's
+    `_pair_planes_asm`: 20)."""
+    n = 10
+    if shuffled < 2:
+        tables, n = [f"${n + 2 * i}" for i in range(8)], n + 16
+    lane = f"${n}"
     # both gathers first: an output may share a register with a word that is dead after the block
-    lines = [".reg .b32 t0, t1, s, x, la, lb, ha, hb, lo, hi;",
+    lines = [".reg .b32 t0, t1, s, x, la, lb, ha, hb, lo, hi, va, vb;",
              "prmt.b32 t0, $8, $9, 0x5140;", "prmt.b32 t1, $8, $9, 0x7362;"]
     for half in range(2):
+        if half < shuffled:
+            lines += [nf4_shfl_pair_asm("$8", j, "$9", j, f"${j}", lane).rstrip("\n")
+                      for j in range(4 * half, 4 * half + 4)]
+            continue
         # t_h: nibbles a_4h, a_4h+1, b_4h, b_4h+1 (low half), a_4h+2, a_4h+3, b_4h+2, b_4h+3 (high half)
         lines += [f"and.b32 s, t{half}, 0x77777777;", f"shr.u32 x, t{half}, 1;",
                   "lop3.b32 x, x, 0x44444444, 0x32103210, 0xea;"]
@@ -87,19 +97,16 @@ def _nf4_planes_text() -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-def _nf4_shfl_planes_text() -> str:
-    """`_nf4_planes_text` with the codebook looked up by warp shuffles (`nf4.nf4_shfl_pair_asm`) from this lane's
-    entry at $10 (`NF4_LANE_ASM`; pack 2 passes it twice): 16 shuffles, 14 shifts and 8 PRMT per 16 weights."""
-    lines = [".reg .b32 s, va, vb;"]
-    for j in range(8):
-        lines.append(nf4_shfl_pair_asm("$8", j, "$9", j, f"${j}", "$10").rstrip("\n"))
-    return "{\n" + "\n".join(lines) + "\n}"
+def _nf4_planes_constraints(shuffled: int) -> str:
+    return ",".join(["=r"] * 8 + ["r"] * (2 + (16 if shuffled < 2 else 0) + (2 if shuffled else 0)))
 
 
-_NF4_PLANES_ASM = gl.constexpr(_nf4_planes_text())
-_NF4_PLANES_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 18))
-_NF4_SHFL_PLANES_ASM = gl.constexpr(_nf4_shfl_planes_text())
-_NF4_SHFL_PLANES_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 4))
+_NF4_PLANES_ASM = gl.constexpr(_nf4_planes_text(0))
+_NF4_PLANES_CONSTRAINTS = gl.constexpr(_nf4_planes_constraints(0))
+_NF4_HALF_SHFL_PLANES_ASM = gl.constexpr(_nf4_planes_text(1))
+_NF4_HALF_SHFL_PLANES_CONSTRAINTS = gl.constexpr(_nf4_planes_constraints(1))
+_NF4_SHFL_PLANES_ASM = gl.constexpr(_nf4_planes_text(2))
+_NF4_SHFL_PLANES_CONSTRAINTS = gl.constexpr(_nf4_planes_constraints(2))
 
 
 @gluon.jit
@@ -126,19 +133,24 @@ def _nf4_tables(cb_ptr, z, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _nf4_tile(words, tables, x_like, SHFL: gl.constexpr):
+def _nf4_tile(words, tables, lane_entry, x_like, SHFL: gl.constexpr):
     """The K-tile's 8 A operands from NF4 words, in x's dtype (`x_like`): codebook values / 16
-    (`_nf4_planes_text`; SHFL: `_nf4_shfl_planes_text`, `tables` then being this lane's entry)."""
+    (`_nf4_planes_text`, SHFL of its halves by warp shuffles from `lane_entry`)."""
     dtype = x_like.dtype
-    if SHFL:
+    if SHFL == 2:
         text: gl.constexpr = _NF4_SHFL_PLANES_ASM
         constraints: gl.constexpr = _NF4_SHFL_PLANES_CONSTRAINTS
-        operands = [words, tables]
+        operands = [words, lane_entry]
     else:
-        text: gl.constexpr = _NF4_PLANES_ASM
-        constraints: gl.constexpr = _NF4_PLANES_CONSTRAINTS
         t0, t1, t2, t3, t4, t5, t6, t7 = tables
-        operands = [words, t0, t1, t2, t3, t4, t5, t6, t7]
+        if SHFL == 1:
+            text: gl.constexpr = _NF4_HALF_SHFL_PLANES_ASM
+            constraints: gl.constexpr = _NF4_HALF_SHFL_PLANES_CONSTRAINTS
+            operands = [words, t0, t1, t2, t3, t4, t5, t6, t7, lane_entry]
+        else:
+            text: gl.constexpr = _NF4_PLANES_ASM
+            constraints: gl.constexpr = _NF4_PLANES_CONSTRAINTS
+            operands = [words, t0, t1, t2, t3, t4, t5, t6, t7]
     return gl.inline_asm_elementwise(text, constraints, operands,
                                      (dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
 
@@ -223,14 +235,15 @@ def _x_shared(x_tile, layout: gl.constexpr):
 
 
 @gluon.jit
-def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, nf4_tables, tile, i: gl.constexpr, live,
-              rows, s_rows, s_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
-              SCALE_RING: gl.constexpr, NF4: gl.constexpr, NF4_SHFL: gl.constexpr):
+def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, nf4_tables, nf4_lane, tile,
+              i: gl.constexpr, live, rows, s_rows, s_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr,
+              HAS_ZERO: gl.constexpr, SCALE_RING: gl.constexpr, NF4: gl.constexpr, NF4_SHFL: gl.constexpr):
     """One K-tile (tile `i` of its iteration) into `acc`: the 8 A operands from its words, and per chunk j one MMA
     with x's fragment j (`xs`, zero where not live); each scale group's sum scaled once. `zlo` / `zhi`: the zero
     constants when they are the same for every tile (per channel, symmetric). With SCALE_RING the iteration's
     scales and zero points come from the shared-memory rings (`s_ring` / `z_ring`: a row of BLOCK_N per group,
-    the iteration's first at `g_row`), else from global memory. NF4: the operands are looked up in `nf4_tables`."""
+    the iteration's first at `g_row`), else from global memory. NF4: the operands are looked up in `nf4_tables`
+    (NF4_SHFL of their halves by warp shuffles from this lane's entry, `nf4_lane`)."""
     dtype: gl.constexpr = xs[0].dtype
     z_layout: gl.constexpr = rows.type.layout
     s_layout: gl.constexpr = s_rows.type.layout
@@ -249,7 +262,7 @@ def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, nf4
             zlo3, zhi3 = _zeros_at(z_ptr, z_ring, g0 + 3, s_stride, rows, live, z_layout, dtype, SCALE_RING)
             c2, c3, c4, c5, c6, c7 = zlo1, zhi1, zlo2, zhi2, zlo3, zhi3
     if NF4:
-        a = _nf4_tile(words, nf4_tables, xs[0], NF4_SHFL)
+        a = _nf4_tile(words, nf4_tables, nf4_lane, xs[0], NF4_SHFL)
     else:
         a = _dequant_tile(words, c0, c1, c2, c3, c4, c5, c6, c7)
     part = gl.zeros_like(acc)
@@ -300,7 +313,7 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                      HAS_BIAS: gl.constexpr,
                      PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, REPS: gl.constexpr, TILES: gl.constexpr,
                      MASK_K: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                     NF4_SHFL: gl.constexpr = False):
+                     NF4_SHFL: gl.constexpr = 0):
     """Program (token tile of BLOCK_M = 8, 16, 32 or 64, row tile of 16 x warps x REPS, K split): K-tiles
     [split * per_split, ...) of `num_tiles`, TILES of them per iteration (their loads issued together: long
     runs of each row per request burst, as the GEMV's many tiles per iteration); with PARTIAL the fp32 sums go to
@@ -339,10 +352,11 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
     zlo, zhi = _zero_consts(z_ptr, 0, s_stride, rows, True, HAS_ZERO and PER_CHANNEL, x_ptr.dtype.element_ty)
     nf4_tables = None
+    nf4_lane = None
     if NF4:
         nf4_tables = _nf4_tables(cb_ptr, gl.zeros([BLOCK_N, 16], gl.int32, layout=a_layout), x_ptr.dtype.element_ty)
-        if NF4_SHFL:  # the lookup by warp shuffles reads this lane's entry instead of the tables
-            nf4_tables = _nf4_lane_entry(nf4_tables)
+        if NF4_SHFL > 0:  # the lookup by warp shuffles reads this lane's entry
+            nf4_lane = _nf4_lane_entry(nf4_tables)
     if X_SMEM or RING:
         # rows of 8 x values per thread (16-byte loads and stores), rows contiguous along K in shared memory
         xr_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
@@ -395,8 +409,8 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                 xs = _x_shared(x_slot.slice(128 * i, 128, dim=1), b_layout)
                 words = w_slot.slice(16 * i, 16, dim=1).load(a_layout)
                 acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, slot * GROUPS, zlo, zhi, nf4_tables,
-                                tile, i, live, rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, SCALE_RING, NF4,
-                                NF4_SHFL)
+                                nf4_lane, tile, i, live, rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO,
+                                SCALE_RING, NF4, NF4_SHFL)
         async_copy.wait_group(0)
     else:
         if X_SMEM:
@@ -418,8 +432,8 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                 else:
                     xs = _x_global(x_ptrs, m_ok, live, x_k, tile * 128, K, MASK_K)
                 words = gl.load(w_ptrs + tile * 16, mask=live, other=0)
-                acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, None, None, 0, zlo, zhi, nf4_tables, tile, i, live,
-                                rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, False, NF4, NF4_SHFL)
+                acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, None, None, 0, zlo, zhi, nf4_tables, nf4_lane, tile, i,
+                                live, rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, False, NF4, NF4_SHFL)
     if PDL:  # the next kernel may launch (`common._pdl_launch_dependents`)
         tl.extra.cuda.gdc_launch_dependents()
     acc = acc * 16.0
