@@ -50,6 +50,28 @@ def _int4_pair_planes(w, tile, rows, s_ptr, z_ptr, stride_sg, s_row, z_row, J: t
 
 
 @triton.jit
+def _word_tile(qw_ptr, rows64, tile, stride_qn, pid_n, BLOCK_N: tl.constexpr, W_DESC: tl.constexpr):
+    """K-tile `tile`'s [BLOCK_N, 16] words: by the host descriptor `qw_ptr` (W_DESC) or by pointers."""
+    if W_DESC:
+        w = qw_ptr.load([pid_n * BLOCK_N, tile * _WORDS])
+    else:
+        w = tl.load(qw_ptr + rows64[:, None] * stride_qn + tile * _WORDS + tl.arange(0, _WORDS)[None, :],
+                    eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _store_tile(out_ptr, v, rows64, row_ok, tile, stride_on, K, pid_n, BLOCK_N: tl.constexpr, O_DESC: tl.constexpr):
+    """The [BLOCK_N, 128] values of K-tile `tile` into the output: by the host descriptor `out_ptr` (O_DESC, clipped
+    at N and K) or by masked pointer stores."""
+    if O_DESC:
+        out_ptr.store([pid_n * BLOCK_N, tile * 128], v)
+    else:
+        k = tile * 128 + tl.arange(0, 128)
+        tl.store(out_ptr + rows64[:, None] * stride_on + k[None, :], v, mask=row_ok & (k < K)[None, :])
+
+
+@triton.jit
 def _dequant_tile(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, stride_sg, s_row, z_row, scale, zero, tables,
                   group_size: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                   PER_CHANNEL: tl.constexpr, NF4_TABLES: tl.constexpr, HALF_SCALE: tl.constexpr,
@@ -111,7 +133,6 @@ def _dequant_kernel(
     pid_t = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows64 = rows.to(tl.int64)
-    col = tl.arange(0, _WORDS)
     row_ok = (rows < N)[:, None]
     zero = 0.0
     scale = 1.0
@@ -138,33 +159,17 @@ def _dequant_kernel(
     if STAGES > 1:
         for i in tl.range(0, TILES, num_stages=STAGES):
             tile = tl.minimum(pid_t * TILES + i, num_tiles - 1)
-            if W_DESC:
-                w = qw_ptr.load([pid_n * BLOCK_N, tile * _WORDS])
-            else:
-                w = tl.load(qw_ptr + rows64[:, None] * stride_qn + tile * _WORDS + col[None, :])
-            v = _dequant_tile(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, stride_sg, s_row, z_row, scale, zero,
-                              tables, group_size, NF4, HAS_ZERO, HAS_MIN, PER_CHANNEL, NF4_TABLES, HALF_SCALE,
-                              INT4_PAIRS, EMULATE, dtype)
+            v = _dequant_tile(_word_tile(qw_ptr, rows64, tile, stride_qn, pid_n, BLOCK_N, W_DESC), tile, rows, s_ptr,
+                              z_ptr, m_ptr, cb_ptr, stride_sg, s_row, z_row, scale, zero, tables, group_size, NF4,
+                              HAS_ZERO, HAS_MIN, PER_CHANNEL, NF4_TABLES, HALF_SCALE, INT4_PAIRS, EMULATE, dtype)
             if pid_t * TILES + i < num_tiles:
-                if O_DESC:
-                    out_ptr.store([pid_n * BLOCK_N, tile * 128], v)
-                else:
-                    k = tile * 128 + tl.arange(0, 128)
-                    tl.store(out_ptr + rows64[:, None] * stride_on + k[None, :], v, mask=row_ok & (k < K)[None, :])
+                _store_tile(out_ptr, v, rows64, row_ok, tile, stride_on, K, pid_n, BLOCK_N, O_DESC)
     else:
         for i in tl.static_range(TILES):
             tile = pid_t * TILES + i
             if tile < num_tiles:
-                if W_DESC:
-                    w = qw_ptr.load([pid_n * BLOCK_N, tile * _WORDS])
-                else:
-                    w = tl.load(qw_ptr + rows64[:, None] * stride_qn + tile * _WORDS + col[None, :],
-                                eviction_policy="evict_first")
-                v = _dequant_tile(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, stride_sg, s_row, z_row, scale, zero,
-                                  tables, group_size, NF4, HAS_ZERO, HAS_MIN, PER_CHANNEL, NF4_TABLES, HALF_SCALE,
-                                  INT4_PAIRS, EMULATE, dtype)
-                if O_DESC:
-                    out_ptr.store([pid_n * BLOCK_N, tile * 128], v)
-                else:
-                    k = tile * 128 + tl.arange(0, 128)
-                    tl.store(out_ptr + rows64[:, None] * stride_on + k[None, :], v, mask=row_ok & (k < K)[None, :])
+                v = _dequant_tile(_word_tile(qw_ptr, rows64, tile, stride_qn, pid_n, BLOCK_N, W_DESC), tile, rows,
+                                  s_ptr, z_ptr, m_ptr, cb_ptr, stride_sg, s_row, z_row, scale, zero, tables, group_size,
+                                  NF4, HAS_ZERO, HAS_MIN, PER_CHANNEL, NF4_TABLES, HALF_SCALE, INT4_PAIRS, EMULATE,
+                                  dtype)
+                _store_tile(out_ptr, v, rows64, row_ok, tile, stride_on, K, pid_n, BLOCK_N, O_DESC)
