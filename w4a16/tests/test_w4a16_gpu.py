@@ -84,12 +84,11 @@ def test_dequantize_int4_pairs_match_pytorch_reference(k, zero_point, group_size
 
 
 @pytest.mark.parametrize("variant", [{"stages": 3, "tiles": 8}, {"stages": 3, "tiles": 16, "w_desc": True},
-                                     {"o_desc": True}, {"stages": 3, "tiles": 8, "w_desc": True, "o_desc": True},
                                      {"stages": 4, "tiles": 8, "block_n": 64}])
 @pytest.mark.parametrize("fmt,zero_point,group_size", [("int4", True, 128), ("int4", False, -1), ("nf4", False, 64)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_dequantize_pipelined_and_tma_variants_match_pytorch_reference(k, variant, fmt, zero_point, group_size, dtype):
-    """The dequantize kernel's pipelined word loads (cp.async or TMA) and TMA stores, bit for bit against PyTorch,
+def test_dequantize_pipelined_variants_match_pytorch_reference(k, variant, fmt, zero_point, group_size, dtype):
+    """The dequantize kernel's pipelined word loads (cp.async or TMA), bit for bit against PyTorch,
     on poisoned outputs: 1000 rows (not a multiple of the row tile), K ending inside a 128-column tile where the
     group size allows, tiles past the last K-tile in a program's range."""
     kk = 3328 if group_size == 128 else 3136

@@ -242,30 +242,26 @@ def _launch_mma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
 
 
 def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=None, mins=None, *, block_n=32,
-               tiles=4, num_warps=4, nf4_tables=False, int4_pairs=True, stages=0, w_desc=False,
-               o_desc=False) -> torch.Tensor:
+               tiles=4, num_warps=4, nf4_tables=False, int4_pairs=True, stages=0,
+               w_desc=False) -> torch.Tensor:
     """Dequantized weight ``[n, k]`` in stored K order (rows of a chunk when qweight is a row slice): programs of
     ``block_n`` rows x ``tiles`` K-tiles. ``nf4_tables``: NF4 looked up from its codebook rounded to fp16 (the
     tensor-core path's values: what the matmul uses; `ops.dequantize` keeps the float32 codebook); ``int4_pairs``:
     int4 into a 16-bit output of the scales' dtype by packed instructions (bit-equal; off: the float32 planes).
-    ``stages`` > 1: the program's word loads pipelined that deep; ``w_desc`` / ``o_desc``: the words loaded /
-    the output stored by TMA (host descriptors; CUDA only, the output's rows 16-byte aligned)."""
+    ``stages`` > 1: the program's word loads pipelined that deep; ``w_desc``: by TMA (a host descriptor; CUDA
+    only)."""
     if out is None:
         out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     flags = _format_flags(zeros, mins, codebook, group_size)
     del flags["SUBG"]
     grid = (triton.cdiv(n, block_n), triton.cdiv(num_tiles, tiles))
-    use_tma = not interpreting() and qweight.is_cuda
-    qw_arg, out_arg = qweight, out
-    if w_desc and use_tma:
+    qw_arg = qweight
+    if w_desc and qweight.is_cuda and not interpreting():
         qw_arg = TensorDescriptor(qweight, [n, qweight.shape[1]], [qweight.stride(0), 1], [block_n, WORDS_PER_TILE])
-    o_desc = o_desc and use_tma and (out.stride(0) * out.element_size()) % 16 == 0
-    if o_desc:
-        out_arg = TensorDescriptor(out, [n, k], [out.stride(0), 1], [block_n, 128])
     _dequant_kernel[grid](
         qw_arg, scales, _or(zeros, scales), _or(mins, scales),
-        _or(codebook, scales), out_arg,
+        _or(codebook, scales), out,
         n, k, num_tiles, 128 if group_size == -1 else group_size,  # a compile-time constant, unread per channel
         qweight.stride(0), scales.stride(0), out.stride(0),
         **flags, BLOCK_N=block_n, TILES=tiles, NF4_TABLES=nf4_tables and codebook is not None,
@@ -274,7 +270,7 @@ def dequantize(qweight, scales, zeros, codebook, n, k, group_size, dtype, out=No
         # int4 pairs in packed 16-bit arithmetic (inline PTX), with scales of the output's dtype
         INT4_PAIRS=(int4_pairs and codebook is None and mins is None and out.dtype == scales.dtype
                     and out.dtype in (torch.float16, torch.bfloat16) and not interpreting()),
-        EMULATE=interpreting(), STAGES=stages, W_DESC=qw_arg is not qweight, O_DESC=o_desc,
+        EMULATE=interpreting(), STAGES=stages, W_DESC=qw_arg is not qweight,
         num_warps=num_warps,
     )
     return out
@@ -288,8 +284,7 @@ def _launch_dequant_matmul(x, qweight, scales, zeros, mins, codebook, bias, out,
     swiglu = plan.get("swiglu", False)
     fused = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device) if swiglu else out
     chunk = plan.get("chunk_n") or n
-    tiling = {key: plan[key] for key in ("block_n", "tiles", "num_warps", "nf4_tables", "stages", "w_desc", "o_desc")
-              if key in plan}
+    tiling = {key: plan[key] for key in ("block_n", "tiles", "num_warps", "nf4_tables", "stages", "w_desc") if key in plan}
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         weight = dequantize(qweight[start:], scales[:, start:], None if zeros is None else zeros[:, start:],
