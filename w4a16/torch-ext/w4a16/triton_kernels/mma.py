@@ -77,12 +77,14 @@ def _nf4_planes_text(shuffled: int = 0) -> str:
     if shuffled < 2:
         tables, n = [f"${n + 2 * i}" for i in range(8)], n + 16
     lane = f"${n}"
-    # both gathers first: an output may share a register with a word that is dead after the block
-    lines = [".reg .b32 t0, t1, s, x, la, lb, ha, hb, lo, hi, va, vb;",
-             "prmt.b32 t0, $8, $9, 0x5140;", "prmt.b32 t1, $8, $9, 0x7362;"]
+    # the words read before any output is written: an output may share a register with a word that is dead after
+    # the block (copied for the shuffles, gathered for the byte permutes)
+    lines = [".reg .b32 t0, t1, s, x, la, lb, ha, hb, lo, hi, va, vb, wa, wb;", "mov.b32 wa, $8;", "mov.b32 wb, $9;"]
+    lines += [f"prmt.b32 t{half}, wa, wb, {selector};" for half, selector in enumerate(("0x5140", "0x7362"))
+              if half >= shuffled]
     for half in range(2):
         if half < shuffled:
-            lines += [nf4_shfl_pair_asm("$8", j, "$9", j, f"${j}", lane).rstrip("\n")
+            lines += [nf4_shfl_pair_asm("wa", j, "wb", j, f"${j}", lane).rstrip("\n")
                       for j in range(4 * half, 4 * half + 4)]
             continue
         # t_h: nibbles a_4h, a_4h+1, b_4h, b_4h+1 (low half), a_4h+2, a_4h+3, b_4h+2, b_4h+3 (high half)
