@@ -320,9 +320,9 @@ def test_mma_gemv_nf4_shuffle_lookup_vs_float64(k, group_size, dtype, tiles, m, 
     plan = k.tuning.resolve(shuffle, x, qw.codebook, group_size)
     assert plan["kernel"] == "mma" and plan["nf4_shfl"] == shuffled
     _check_launch(k, x, qw, None, shuffle)
-    shuffled, permuted = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, None, qw.codebook, None, n, kk, group_size,
-                                                  c) for c in (shuffle, config))
-    assert torch.equal(shuffled, permuted)
+    by_shuffles, by_permutes = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, None, qw.codebook, None, n, kk,
+                                                        group_size, c) for c in (shuffle, config))
+    assert torch.equal(by_shuffles, by_permutes)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),

@@ -41,10 +41,6 @@ def _lop3(a, b, c, lut):
     return out
 
 
-OPS = {"mov.b32": lambda a: a, "mov.u32": lambda a: a, "and.b32": lambda a, b: a & b, "shr.u32": lambda a, b: a >> b,
-       "shr.b32": lambda a, b: a >> b, "prmt.b32": _prmt, "lop3.b32": _lop3}
-
-
 def _shfl_idx(a, b, c, mask):
     """PTX shfl.sync.idx.b32 with c = 0x1f (one 32-lane segment) and every lane taking part: lane i reads `a` of
     lane b & 31 of its warp."""
@@ -53,7 +49,8 @@ def _shfl_idx(a, b, c, mask):
     return a[lanes - lanes % 32 + (b & np.uint64(31)).astype(np.int64)]
 
 
-OPS["shfl.sync.idx.b32"] = _shfl_idx
+OPS = {"mov.b32": lambda a: a, "mov.u32": lambda a: a, "and.b32": lambda a, b: a & b, "shr.u32": lambda a, b: a >> b,
+       "shr.b32": lambda a, b: a >> b, "prmt.b32": _prmt, "lop3.b32": _lop3, "shfl.sync.idx.b32": _shfl_idx}
 
 
 def _run_ptx(text: str, registers: dict) -> dict:
@@ -124,7 +121,7 @@ def test_dot_pairs_hold_nibbles_j_and_j_plus_4(k, codebook_bits):
 
 
 def test_mma_planes_pair_the_same_nibble_of_neighbouring_words(k, codebook_bits):
-    """The mma kernel's `_nf4_planes_text`: output j pairs codebook[nibble j of a] (low half) with
+    """The mma kernel's `_nf4_planes_asm`: output j pairs codebook[nibble j of a] (low half) with
     codebook[nibble j of b]; each table's second operand (pack 2 gives each element its own) is never read."""
     mma = pytest.importorskip(f"{k.__name__}.triton_kernels.mma", reason="this Triton has no Gluon")
     bits, tables = codebook_bits
@@ -133,7 +130,7 @@ def test_mma_planes_pair_the_same_nibble_of_neighbouring_words(k, codebook_bits)
     for i, t in enumerate(tables):
         operands[f"${10 + 2 * i}"] = np.uint64(t)
         operands[f"${11 + 2 * i}"] = np.uint64(0xDEADBEEF)
-    regs = _run_ptx(mma._nf4_planes_text(), operands)
+    regs = _run_ptx(mma._nf4_planes_asm()[0], operands)
     for j in range(8):
         assert np.array_equal(regs[f"${j}"], bits[_nibble(a, j)] | bits[_nibble(b, j)] << np.uint64(16))
 
@@ -144,7 +141,7 @@ def test_emulator_catches_a_wrong_selector(k, codebook_bits):
     bits, tables = codebook_bits
     a, b = _words(seed=5), _words(seed=6)
     operands = {"$8": a, "$9": b, **{f"${10 + 2 * i}": np.uint64(t) for i, t in enumerate(tables)}}
-    regs = _run_ptx(mma._nf4_planes_text().replace("0x32103210", "0x0"), operands)
+    regs = _run_ptx(mma._nf4_planes_asm()[0].replace("0x32103210", "0x0"), operands)
     assert not np.array_equal(regs["$0"], bits[_nibble(a, 0)] | bits[_nibble(b, 0)] << np.uint64(16))
 
 
@@ -175,7 +172,7 @@ def test_gemv_shuffle_pairs_hold_neighbouring_nibbles(k, codebook_bits):
 
 @pytest.mark.parametrize("shuffled", [1, 2])
 def test_mma_shuffle_planes_pair_the_same_nibble_of_neighbouring_words(k, codebook_bits, shuffled):
-    """The mma kernel's `_nf4_planes_text` with one or both halves looked up by shuffles: output j pairs
+    """The mma kernel's `_nf4_planes_asm` with one or both halves looked up by shuffles: output j pairs
     codebook[nibble j of a] with codebook[nibble j of b], as the PRMT lookup does; each second operand (pack 2) is
     never read."""
     mma = pytest.importorskip(f"{k.__name__}.triton_kernels.mma", reason="this Triton has no Gluon")
@@ -187,7 +184,7 @@ def test_mma_shuffle_planes_pair_the_same_nibble_of_neighbouring_words(k, codebo
             operands[f"${n + 2 * i}"], operands[f"${n + 2 * i + 1}"] = np.uint64(t), np.uint64(0xDEADBEEF)
         n += 16
     operands[f"${n}"], operands[f"${n + 1}"] = _lane_table(k, tables, a.size), np.uint64(0xDEADBEEF)
-    regs = _run_ptx(mma._nf4_planes_text(shuffled), operands)
+    regs = _run_ptx(mma._nf4_planes_asm(shuffled)[0], operands)
     for j in range(8):
         assert np.array_equal(regs[f"${j}"], bits[_nibble(a, j)] | bits[_nibble(b, j)] << np.uint64(16))
 

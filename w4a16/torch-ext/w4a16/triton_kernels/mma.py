@@ -11,7 +11,7 @@ registers: 2 PRMT + 2 SHF + 8 LOP3 + 8 HFMA2 for 16 weights, (code - zero) / 16 
 packed-fp16 GEMV's exponent trick). The MMA sums them in fp32; each scale group's sum is scaled once per row.
 
 Formats: int4 with integer zero points or symmetric, scale groups of 32, 64, multiples of 128 or per channel,
-NF4 (codebook looked up by byte permutes, `_nf4_planes_text`), fp16 or bf16 activations
+NF4 (codebook looked up by byte permutes, `_nf4_planes_asm`), fp16 or bf16 activations
 (`tuning.mma_supported`). No float minima.
 
 Measured on the H200 (runs 34-42): x's fragments straight from global memory 1.42x cuBLAS fp16 at one token;
@@ -63,8 +63,8 @@ def _pair_planes_constraints():
     return ",".join(["=r"] * 8 + ["r"] * 2 + ["r"] * 8)
 
 
-def _nf4_planes_text(shuffled: int = 0) -> str:
-    """PTX: two neighbouring NF4 words a = $8, b = $9 -> outputs $0-$7, the pairs (codebook[nibble j of a],
+def _nf4_planes_asm(shuffled: int = 0) -> tuple[str, str]:
+    """PTX and constraints: two neighbouring NF4 words a = $8, b = $9 -> outputs $0-$7, the pairs (codebook[nibble j of a],
     codebook[nibble j of b]) / 16 for j = 0-7; the first `shuffled` (0, 1 or 2) of the halves j = 0-3, 4-7 looked
     up by warp shuffles (`nf4.nf4_shfl_pair_asm`: 16 shuffles, 14 shifts and 8 PRMT per 16 weights for both)
     from this lane's entry, the others by byte permutes in the 8 tables (`nf4`). Operands after the words: the
@@ -96,19 +96,13 @@ def _nf4_planes_text(shuffled: int = 0) -> str:
                 lines += ["shr.u32 s, s, 16;", "shr.u32 x, x, 16;"]
             lines.append(nf4_select_asm("s", "x", tables).rstrip("\n"))
             lines += [f"prmt.b32 ${j}, lo, hi, 0x6240;", f"prmt.b32 ${j + 1}, lo, hi, 0x7351;"]
-    return "{\n" + "\n".join(lines) + "\n}"
+    # inputs: the words, then the tables and / or the lane entry, each twice (n + 2 operands after the outputs)
+    return "{\n" + "\n".join(lines) + "\n}", ",".join(["=r"] * 8 + ["r"] * (n + 2 * bool(shuffled) - 8))
 
 
-def _nf4_planes_constraints(shuffled: int) -> str:
-    return ",".join(["=r"] * 8 + ["r"] * (2 + (16 if shuffled < 2 else 0) + (2 if shuffled else 0)))
-
-
-_NF4_PLANES_ASM = gl.constexpr(_nf4_planes_text(0))
-_NF4_PLANES_CONSTRAINTS = gl.constexpr(_nf4_planes_constraints(0))
-_NF4_HALF_SHFL_PLANES_ASM = gl.constexpr(_nf4_planes_text(1))
-_NF4_HALF_SHFL_PLANES_CONSTRAINTS = gl.constexpr(_nf4_planes_constraints(1))
-_NF4_SHFL_PLANES_ASM = gl.constexpr(_nf4_planes_text(2))
-_NF4_SHFL_PLANES_CONSTRAINTS = gl.constexpr(_nf4_planes_constraints(2))
+_NF4_PLANES_ASM, _NF4_PLANES_CONSTRAINTS = (gl.constexpr(v) for v in _nf4_planes_asm(0))
+_NF4_HALF_SHFL_PLANES_ASM, _NF4_HALF_SHFL_PLANES_CONSTRAINTS = (gl.constexpr(v) for v in _nf4_planes_asm(1))
+_NF4_SHFL_PLANES_ASM, _NF4_SHFL_PLANES_CONSTRAINTS = (gl.constexpr(v) for v in _nf4_planes_asm(2))
 
 
 @gluon.jit
@@ -137,7 +131,7 @@ def _nf4_tables(cb_ptr, z, dtype: gl.constexpr):
 @gluon.jit
 def _nf4_tile(words, tables, lane_entry, x_like, SHFL: gl.constexpr):
     """The K-tile's 8 A operands from NF4 words, in x's dtype (`x_like`): codebook values / 16
-    (`_nf4_planes_text`, SHFL of its halves by warp shuffles from `lane_entry`)."""
+    (`_nf4_planes_asm`, SHFL of its halves by warp shuffles from `lane_entry`)."""
     dtype = x_like.dtype
     if SHFL == 2:
         text: gl.constexpr = _NF4_SHFL_PLANES_ASM
