@@ -537,19 +537,25 @@ DEPENDENT_LAUNCHES = [  # (m, config): each decode kernel, split-K (its reductio
                                      "tma": True, "split_k": 3}}),
     (4, {**CONFIGS[3], "mma": {"num_warps": 2, "tiles": 2, "stages": 4, "split_k": 2}}),
     (13, {**CONFIGS[3], "mma": {"block_m": 16, "num_warps": 4, "reps": 2, "tiles": 2, "stages": 3}}),
+    (64, {"kernel": "dot", "block_m": 64, "block_n": 64, "split_k": 2, "swap_ab": True, "full_tile": True,
+          "packed": True, "num_warps": 4, "num_stages": 3, "x_desc": True, "w_desc": True}),
+    (200, {"kernel": "dot", "block_m": 128, "block_n": 64, "split_k": 1, "swap_ab": True, "full_tile": True,
+           "packed": True, "num_warps": 4, "num_stages": 3}),
 ]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs sm_90+")
-@pytest.mark.parametrize("m,config", DEPENDENT_LAUNCHES, ids=["h2", "h2-tma-split3", "mma-split2", "mma-16x128"])
+@pytest.mark.parametrize("m,config", DEPENDENT_LAUNCHES,
+                         ids=["h2", "h2-tma-split3", "mma-split2", "mma-16x128", "dot-tma-split2", "dot-128x64"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dependent_launch_chains(k, m, config, dtype):
-    """The decode kernels as programmatic dependents (`launch.dependent_launch`): a chain of 8 matmuls launched
-    back to back (each lets the next start early), each reading what the one before wrote and writing memory the
-    allocator hands back from freed outputs, gives the bits of serial launches, eagerly and in CUDA-graph replay
-    with fresh inputs. A kernel that read x or wrote before its wait would read the previous layer's output half
-    written. bf16 x adds the packed-fp16 GEMV's pre-pass to the chain."""
+    """The decode and tensor-core kernels as programmatic dependents (`launch.dependent_launch`): a chain of 8
+    matmuls launched back to back (each lets the next start early), each reading what the one before wrote and
+    writing memory the allocator hands back from freed outputs, gives the bits of serial launches, eagerly and in
+    CUDA-graph replay with fresh inputs. A kernel that read x or wrote before its wait would read the previous
+    layer's output half written. bf16 x adds the packed-fp16 GEMV's pre-pass to the chain; the dot path's split-K
+    reduction lets the next kernel launch only after its stores."""
     n, kk = 3072, 4096
     # weights of std 0.015: a layer keeps x's scale within ~20 %, so 8 of them stay in fp16's range
     up = k.quantize(_weight(n, kk, dtype, seed=20) * 0.3, group_size=128, zero_point=True)

@@ -142,13 +142,14 @@ def _split_sum(part_ptr, offs, mask, stride_split, SPLIT: tl.constexpr):
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N,
                           SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
     """out = sum of the SPLIT fp32 partials ``[SPLIT, M, N]`` in a fixed order (deterministic) + bias, cast once.
     SWIGLU: `out` is ``[M, N // 2]``, silu(gate) * up of the summed fused rows (bias added first); it also runs
     with SPLIT = 1 on the 16-bit product of dequantize + cuBLAS (its SwiGLU epilogue). PDL: launched as a
-    programmatic dependent of the split kernel."""
+    programmatic dependent of the split kernel, the next kernel let launch at once, or after the stores with
+    LATE_TRIGGER."""
     _pdl_wait(PDL)
-    _pdl_launch_dependents(PDL)
+    _pdl_launch_dependents(PDL and not LATE_TRIGGER)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     if SWIGLU:
@@ -166,6 +167,7 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N,
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _pdl_launch_dependents(PDL and LATE_TRIGGER)
 
 
 # Programmatic dependent launch (sm_90+, `launch.dependent_launch`): a kernel launched with `launch_pdl` may be

@@ -3,7 +3,8 @@
 import triton
 import triton.language as tl
 
-from .common import _WORDS, _natural_order, _plane, _swiglu_rows, _tile_in_k_order
+from .common import (_WORDS, _natural_order, _pdl_launch_dependents, _pdl_wait, _plane, _swiglu_rows,
+                     _tile_in_k_order)
 from .nf4 import _nf4_tables, _nf4_tile_in_k_order
 
 
@@ -58,7 +59,7 @@ def _dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
     FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
     X_DESC: tl.constexpr, W_DESC: tl.constexpr, NF4_TABLES: tl.constexpr, NF4_HALF_SCALE: tl.constexpr,
-    EMULATE: tl.constexpr, SWIGLU: tl.constexpr,
+    EMULATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
 ):
     """Tensor-core path. Per K-tile either 8 dots of K=16 (one per nibble plane: a contiguous K run) or,
     with FULL_TILE, the 8 planes interleaved back into natural K order and one dot of K=128.
@@ -85,6 +86,9 @@ def _dot_kernel(
     SWIGLU (a fused gate / up weight in the SwiGLU layout): the output is ``[M, N // 2]``, silu(gate) * up of
     the fp32 accumulator after scales and bias (`_swiglu_rows`); split-K partials stay fused rows, and the
     reduction kernel applies it.
+
+    PDL: launched as a programmatic dependent of the kernel before (`common._pdl_wait`), the next one let launch
+    after the K loop, as the decode kernels do.
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -105,6 +109,7 @@ def _dot_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     first = pid_k * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
+    _pdl_wait(PDL)
     zero = 0.0
     if PACKED and not HAS_ZERO:
         zero = tl.full([BLOCK_N, 1], 8.0, tl.float32)  # symmetric int4
@@ -187,6 +192,7 @@ def _dot_kernel(
                 acc += part * s[None, :]
         else:
             acc = part
+    _pdl_launch_dependents(PDL)
     row_ok = rows < N
     if PACKED:  # the operands were (q - z) / 16
         acc = acc * 16.0

@@ -43,15 +43,16 @@ def _nf4_shuffled_halves(plan: dict, codebook) -> int:
     return {False: 0, "half": 1, True: 2}[choice]
 
 
-def _reduce_splits(part, bias, out, n, swiglu, pdl: bool = False) -> None:
+def _reduce_splits(part, bias, out, n, swiglu, pdl: bool = False, late_trigger: bool = False) -> None:
     """`part` ``[splits, M, n]`` summed (+ bias) into `out`: ``[M, n]``, or with `swiglu` ``[M, n // 2]``; `pdl`:
-    launched as a programmatic dependent of the split kernel."""
+    launched as a programmatic dependent of the split kernel, letting the next kernel launch at its start, or with
+    `late_trigger` after its stores."""
     total = out.numel()
     block = 1024
     _splitk_reduce_kernel[(triton.cdiv(total, block),)](
         part, _or(bias, part), out, total, n,
-        SPLIT=part.shape[0], HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK=block, PDL=pdl, num_warps=4,
-        launch_pdl=pdl,
+        SPLIT=part.shape[0], HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK=block, PDL=pdl, LATE_TRIGGER=late_trigger,
+        num_warps=4, launch_pdl=pdl,
     )
 
 
@@ -61,7 +62,7 @@ def _sm90_or_newer(device_index: int) -> bool:
 
 
 def dependent_launch(plan: dict, device: torch.device) -> bool:
-    """Whether a decode kernel launches as a programmatic dependent of the kernel before (`common._pdl_wait`):
+    """Whether a kernel launches as a programmatic dependent of the kernel before (`common._pdl_wait`):
     plan "pdl" (default on), CUDA sm_90+, not the interpreter."""
     return (bool(plan.get("pdl", True)) and device.type == "cuda" and not interpreting() and torch.version.hip is None
             and _sm90_or_newer(device.index))
@@ -153,6 +154,7 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
         x_arg = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 128])
     if plan.get("w_desc", False):
         qw_arg = TensorDescriptor(qweight, list(qweight.shape), [qweight.stride(0), 1], [block_n, WORDS_PER_TILE])
+    pdl = dependent_launch(plan, qweight.device)
     _dot_kernel[grid](
         x_arg, qw_arg, scales, _or(zeros, scales), _or(mins, scales),
         _or(codebook, scales), _or(bias, scales), target,
@@ -170,11 +172,14 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
         X_DESC=bool(plan.get("x_desc", False)), W_DESC=bool(plan.get("w_desc", False)),
         NF4_TABLES=bool(plan.get("nf4_tables", False)),
         NF4_HALF_SCALE=bool(plan.get("nf4_half_scale", False)) and scales.dtype == torch.float16,
-        EMULATE=interpreting(), SWIGLU=plan.get("swiglu", False),
+        EMULATE=interpreting(), SWIGLU=plan.get("swiglu", False), PDL=pdl, launch_pdl=pdl,
         num_warps=plan.get("num_warps", 4),
     )
     if splits > 1:
-        _reduce_splits(target, bias, out, n, plan.get("swiglu", False))
+        # The next kernel (the next layer's dot, two programs per SM) let launch only once the sums are stored:
+        # launched at the reduction's start, its programs took SM slots beside this kernel's tail, and at one
+        # wave or less of dot programs that cost up to 1.2x (docs/design/w4a16.md E25).
+        _reduce_splits(target, bias, out, n, plan.get("swiglu", False), pdl, late_trigger=True)
 
 
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
