@@ -109,10 +109,10 @@ def markdown(results: dict, plot_name: str) -> str:
         f"Ceilings measured in the same run: device copy bandwidth **{results['copy_bandwidth'] / 1e12:.2f} TB/s** "
         f"(eager `copy_`, read + write), dense bf16 matmul **{results['matmul_flops'] / 1e12:.0f} TFLOP/s**.",
         "Times are CUDA-graph replay over rotated inputs (L2 cold), many calls of one op back to back. Bytes are what "
-        "each op must move once. On sm_90+ this package's decode kernels (w4a16's GEMVs, rmsnorm's forward, "
-        "moe-dispatch's 4-bit GEMVs) launch as programmatic dependents, so each call may start while the one before "
-        "drains; here the one before is the same op, the best case. In a model only neighbours launched the same way "
-        "overlap: [the whole-model decode](../RESULTS.md#end-to-end-batch-1-decode) measures what that is worth there.",
+        "each op must move once. On sm_90+ most of this package's kernels (w4a16's GEMVs and tensor-core path, "
+        "rmsnorm's forward, moe-dispatch's 4-bit GEMVs) launch as programmatic dependents, so each call may start "
+        "while the one before drains; here the one before is the same op, the best case. In a model only neighbours "
+        "launched the same way overlap: [the whole-model decode](../RESULTS.md#end-to-end-batch-1-decode) measures what that is worth there.",
         "",
         f"![roofline]({plot_name})",
         "",

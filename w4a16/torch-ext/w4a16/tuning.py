@@ -20,9 +20,10 @@ tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`
 ``stages`` (a cp.async ring of that many slots for the words, x, scales and zero points, where
 `cp_async_rows`, else one stage) and ``split_k``) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS; optional ``block_n`` / ``tiles`` / ``num_warps``,
-the dequantize kernel's programs, and ``nf4_tables`` as for dot, there also off for float32 activations). Any config may also say ``"pdl": False``: the
-packed-fp16 and mma GEMVs (and their split-K reductions) then launch in stream order instead of as programmatic
-dependents of the kernel before (`triton_kernels.launch.dependent_launch`, on by default where sm_90+ runs).
+the dequantize kernel's programs, and ``nf4_tables`` as for dot, there also off for float32 activations). Any
+config may also say ``"pdl": False``: the packed-fp16 and mma GEMVs and the dot kernel (and their split-K
+reductions) then launch in stream order instead of as programmatic dependents of the kernel before
+(`triton_kernels.launch.dependent_launch`, on by default where sm_90+ runs).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
 dtype, device and weight format, the one place where those choices are made: ``"gemv"`` becomes
