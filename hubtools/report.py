@@ -112,7 +112,8 @@ def markdown(results: dict, plot_name: str) -> str:
         "each op must move once. On sm_90+ most of this package's kernels (w4a16's GEMVs and tensor-core path, "
         "rmsnorm's forward, moe-dispatch's 4-bit GEMVs) launch as programmatic dependents, so each call may start "
         "while the one before drains; here the one before is the same op, the best case. In a model only neighbours "
-        "launched the same way overlap: [the whole-model decode](../RESULTS.md#end-to-end-batch-1-decode) measures what that is worth there.",
+        "launched the same way overlap: [the whole-model decode](../RESULTS.md#end-to-end-batch-1-decode) measures "
+        "what that is worth there.",
         "",
         f"![roofline]({plot_name})",
         "",
