@@ -322,6 +322,23 @@ def test_untuned_shapes_are_logged_once(k, caplog):
     assert "no configs/some-other-gpu.json" in messages[1]
 
 
+def test_shipped_tables_name_their_gpu_and_resolve(k):
+    """Each configs/<gpu>.json is found under the name of the GPU it says it was measured on, says how (date,
+    versions, command), and every entry of it resolves to a launch plan at the M of its bucket."""
+    paths = sorted(k.tuning.CONFIG_DIR.glob("*.json"))
+    assert {p.stem for p in paths} >= {"nvidia-h200", "nvidia-h100-80gb-hbm3"}
+    for path in paths:
+        table = k.tuning.table(path.stem.replace("-", " "))  # the slug of "nvidia h200" is the file's stem
+        assert table and k.tuning._slug(table["device"]) == path.stem
+        assert table["measured"] and all({"date", "torch", "triton", "command"} <= set(m) for m in table["measured"])
+        for shape, entry in table["shapes"].items():
+            n, kk = map(int, shape.split("x"))
+            for bucket, config in entry.items():
+                x = torch.zeros(int(bucket), kk, dtype=torch.float16)
+                assert k.tuning.resolve(config, x, None, 128)["kernel"] in ("gemv", "gemv_h2", "dot", "dequant"), \
+                    (path.name, shape, bucket)
+
+
 def test_resolve_keeps_the_dependent_launch_choice(k):
     """A config's "pdl" reaches the plan of whichever kernel it resolves to (here the packed GEMV and the dot
     path), the tuned table keeps its one stream-ordered entry, and off the GPU no plan launches as a dependent."""
