@@ -718,6 +718,21 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     return changes
 
 
+def stand_in_table(kernel, device_name: str, table_path=None):
+    """Make `kernel` (a build in a folder of its own, as `loaded_kernel` makes) take the launch table at
+    `table_path` as `device_name`'s own, or no table (the heuristic) when None: to time one GPU's table on another
+    card (the H200's on an H100) or a card's table against the heuristic in one call. Only the build changes."""
+    from pathlib import Path
+
+    tuning = kernel.tuning
+    target = Path(tuning.CONFIG_DIR) / f"{tuning._slug(device_name)}.json"
+    target.unlink(missing_ok=True)  # a new file, never a write through whatever stood there
+    if table_path is not None:
+        target.write_text(Path(table_path).read_text())
+    tuning.table.cache_clear()
+    return target
+
+
 def dequant_bandwidth(kernel, shapes=SHAPES, fmt: str = "int4", group: int = GROUP,
                       variants: list[dict] | None = None) -> dict:
     """The dequantize kernel alone (dequantize + cuBLAS runs it at M >= 512): seconds per call into a preallocated
@@ -845,6 +860,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-decode", action="store_true",
                         help="instead of the sweep: shipped config vs decode-path candidates vs cuBLAS at --tokens "
                              "(compare_decode; Llama-3, Qwen2.5-1.5B and untuned shapes, or --shapes)")
+    parser.add_argument("--configs", help="--compare-decode's launch table for this card: a table file standing in "
+                        "for the card's own (e.g. configs/nvidia-h200.json on an H100), or 'none' for the heuristic "
+                        "(see stand_in_table)")
     parser.add_argument("--fmt", choices=("int4", "nf4"), default="int4", help="--compare-decode's weight format")
     parser.add_argument("--group", type=int, default=GROUP, help="--compare-decode's group size")
     parser.add_argument("--variants", help="--compare-decode times, instead of its candidates, the shipped config "
@@ -884,6 +902,8 @@ def main(argv: list[str] | None = None) -> int:
         every = SHAPES + QWEN_SHAPES + OTHER_SHAPES
         chosen = every if args.shapes is None else tuple(s for s in every if s[0] in args.shapes)
         with loaded_kernel(project) as module:
+            if args.configs:
+                stand_in_table(module, torch.cuda.get_device_name(), None if args.configs == "none" else args.configs)
             compared = compare_decode(module, shapes=chosen, tokens=tuple(args.tokens), out_path=args.out,
                                       fmt=args.fmt, group=args.group,
                                       variants=None if args.variants is None else json.loads(args.variants))
