@@ -724,13 +724,11 @@ def stand_in_table(kernel, device_name: str, table_path=None):
     card (the H200's on an H100) or a card's table against the heuristic in one call. Only the build changes."""
     from pathlib import Path
 
-    tuning = kernel.tuning
-    target = Path(tuning.CONFIG_DIR) / f"{tuning._slug(device_name)}.json"
+    target = kernel.tuning.table_path(device_name)
     target.unlink(missing_ok=True)  # a new file, never a write through whatever stood there
     if table_path is not None:
         target.write_text(Path(table_path).read_text())
-    tuning.table.cache_clear()
-    return target
+    kernel.tuning.table.cache_clear()
 
 
 def dequant_bandwidth(kernel, shapes=SHAPES, fmt: str = "int4", group: int = GROUP,

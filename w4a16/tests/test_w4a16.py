@@ -329,7 +329,7 @@ def test_shipped_tables_name_their_gpu_and_resolve(k):
     assert {p.stem for p in paths} >= {"nvidia-h200", "nvidia-h100-80gb-hbm3"}
     for path in paths:
         table = k.tuning.table(path.stem.replace("-", " "))  # the slug of "nvidia h200" is the file's stem
-        assert table and k.tuning._slug(table["device"]) == path.stem
+        assert table and k.tuning.table_path(table["device"]) == path
         assert table["measured"] and all({"date", "torch", "triton", "command"} <= set(m) for m in table["measured"])
         for shape, entry in table["shapes"].items():
             kk = int(shape.split("x")[1])

@@ -56,9 +56,14 @@ def _slug(device_name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
 
 
+def table_path(device_name: str) -> Path:
+    """Where the launch table of the GPU named `device_name` (as torch names it) is, or would be."""
+    return CONFIG_DIR / f"{_slug(device_name)}.json"
+
+
 @functools.lru_cache(maxsize=None)
 def table(device_name: str) -> dict:
-    path = CONFIG_DIR / f"{_slug(device_name)}.json"
+    path = table_path(device_name)
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -156,7 +161,8 @@ def select(m: int, n: int, k: int, device: torch.device, nf4_group: int | None =
 @functools.lru_cache(maxsize=None)
 def _note_heuristic(device_name: str, n: int, k: int) -> None:
     """Say once per GPU and shape that no tuned table entry exists (the launch then comes from `heuristic`)."""
-    where = f"configs/{_slug(device_name)}.json" if table(device_name) else f"no configs/{_slug(device_name)}.json"
+    name = table_path(device_name).name
+    where = f"configs/{name}" if table(device_name) else f"no configs/{name}"
     logger.warning("w4a16: no tuned launch config for N x K = %d x %d on %s (%s); using the heuristic",
                    n, k, device_name, where)
 
