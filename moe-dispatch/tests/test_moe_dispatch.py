@@ -164,6 +164,38 @@ def test_route(k, path, mode, T):
     assert all(len(set(row.tolist())) == top_k for row in ids)
 
 
+@pytest.mark.parametrize("mode", ["mixtral", "deepseek"])
+@pytest.mark.parametrize("router_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3, 4])
+def test_router_gemv(k, monkeypatch, mode, router_dtype, T):
+    """The decode router (logits of <= ROUTER_GEMV_MAX_TOKENS tokens from `_router_gemv_kernel`'s partial sums,
+    then the routing kernel): H ending inside a split and E inside a row block, so the last programs are masked;
+    the same experts and weights as routing F.linear's logits in the router's dtype (bf16 logits: within one
+    rounding of them, 2^-7 relative, as the interpreter truncates to bf16 where GPUs round to nearest)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tk = k.ops.triton_kernels
+    assert T <= tk.ROUTER_GEMV_MAX_TOKENS
+    spec = dict(ROUTINGS[mode])
+    E, H, top_k = 20, 1100, 4
+    spec.pop("bias", None)
+    scaling = spec.pop("scaling", 1.0)
+    if spec.get("num_groups"):
+        spec.update(num_groups=5, topk_groups=2)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    router_weight = (torch.randn(E, H) / H**0.5).to(router_dtype)
+    bias = torch.randn(E) * 0.3 if mode == "deepseek" else None
+    routing_args = (top_k, spec["scoring"] == "sigmoid", spec["renormalize"], bias, spec.get("num_groups", 1),
+                    spec.get("topk_groups", 1), scaling)
+    weights, ids = tk.route(None, *routing_args, hidden_states=x, router_weight=router_weight)
+    ref_w, ref_ids = route_float64(F.linear(x.to(router_dtype), router_weight).float(), top_k, bias=bias,
+                                   scaling=scaling, **spec)
+    order, ref_order = ids.sort(1), ref_ids.sort(1)
+    assert torch.equal(order.values, ref_order.values.to(torch.int32))
+    rtol = 1e-5 if router_dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(weights.gather(1, order.indices).double(), ref_w.gather(1, ref_order.indices),
+                               rtol=rtol, atol=1e-6)
+
+
 def test_route_fp16_logits(k, path):
     logits = torch.randn(9, 8).to(torch.float16)
     weights, ids = k.route(logits, 2)
@@ -183,7 +215,7 @@ def moe_float64(x, router_weight, w_gate_up, w_down, top_k, shared=None, **spec)
     return out
 
 
-@pytest.mark.parametrize("T", [6, 70])
+@pytest.mark.parametrize("T", [2, 6, 70])
 @pytest.mark.parametrize("mode,shared_i", [("mixtral", None), ("deepseek", None), ("deepseek", 16), ("deepseek", 24)])
 def test_moe_forward(k, path, T, mode, shared_i):
     """Router fp32 (selection far from ties), experts bf16; a shared expert fused (I'=I) or separate."""

@@ -124,6 +124,39 @@ def test_route_matches_torch(k):
     torch.testing.assert_close(weights.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("T", [1, 4])
+def test_router_gemv_full_size(k, name, T):
+    """Decode routing (the router GEMV's partial sums, then the routing kernel as its programmatic dependent on
+    sm_90) against routing cuBLAS's logits: the same experts, weights within a bf16 rounding of the logits; in a
+    CUDA graph of three calls, bit-equal to the eager call (the partials are summed in a fixed order)."""
+    E, top_k, H, _, routing = MODELS[name]
+    tk = k.ops.triton_kernels
+    assert T <= tk.ROUTER_GEMV_MAX_TOKENS
+    g = torch.Generator(device="cuda").manual_seed(1)
+    router = (torch.randn(E, H, device="cuda", generator=g) / H**0.5).bfloat16()
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    bias = torch.randn(E, device="cuda", generator=g) * 0.05 if name == "deepseek" else None
+    args = (top_k, routing["scoring"] == "sigmoid", routing["renormalize"], bias, routing.get("num_groups", 1),
+            routing.get("topk_groups", 1), routing.get("scaling_factor", 1.0))
+    weights, ids = tk.route(None, *args, hidden_states=x, router_weight=router)
+    ref_w, ref_ids = k.route(F.linear(x, router), top_k, correction_bias=bias, **routing)
+    order, ref_order = ids.sort(1), ref_ids.sort(1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), ref_w.gather(1, ref_order.indices), rtol=2**-7,
+                               atol=1e-6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replays = [tk.route(None, *args, hidden_states=x, router_weight=router) for _ in range(3)]
+    for w, i in replays:
+        w.fill_(float("nan"))
+        i.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    for w, i in replays:
+        assert torch.equal(w, weights) and torch.equal(i, ids)
+
+
 def test_64bit_row_offsets(k):
     """Activations with more than 2^31 elements: rows far past 2^31 / H must still be right."""
     T, E, H, I = (2**31 // 2048) + 4096, 4, 2048, 64

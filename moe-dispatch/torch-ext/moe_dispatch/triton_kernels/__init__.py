@@ -2,7 +2,8 @@
 
 Launches for a whole layer (`moe_forward`), none of them sized by device data (no host syncs):
 
-- T <= DECODE_MAX_TOKENS (decode): router logits (cuBLAS) -> `_route_kernel` -> `_gate_up_decode_kernel`
+- T <= DECODE_MAX_TOKENS (decode): router logits (`_router_gemv_kernel` up to ROUTER_GEMV_MAX_TOKENS tokens, else
+  cuBLAS) -> `_route_kernel` -> `_gate_up_decode_kernel`
   -> `_down_decode_kernel` -> `_combine_kernel`. No sort: each program takes one (token, slot) pair and
   works only if that pair is the first to name its expert, so every selected expert's weights are
   streamed once, by many programs at a time.
@@ -31,8 +32,9 @@ intermediate size rides along as expert E in an extra top-k slot of weight 1.
 """
 
 from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_MIN_PAIRS, GEMV_MAX_TOKENS, PACKED_GEMV_MAX_TOKENS,
-                      config_path, default_config, get_config)
+                      ROUTER_GEMV_MAX_TOKENS, config_path, default_config, get_config)
 from .launch import experts, moe_forward, packed_gemv, route
 
-__all__ = ["CHUNK_TOKENS", "DECODE_MAX_TOKENS", "DEQUANT_MIN_PAIRS", "GEMV_MAX_TOKENS", "PACKED_GEMV_MAX_TOKENS", "config_path",
+__all__ = ["CHUNK_TOKENS", "DECODE_MAX_TOKENS", "DEQUANT_MIN_PAIRS", "GEMV_MAX_TOKENS", "PACKED_GEMV_MAX_TOKENS",
+           "ROUTER_GEMV_MAX_TOKENS", "config_path",
            "default_config", "experts", "get_config", "moe_forward", "packed_gemv", "route"]

@@ -12,11 +12,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quantized import QuantizedExperts
 from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_BLOCK_N, DEQUANT_CHUNK_BYTES, DEQUANT_MIN_PAIRS,
-                      _for_dtype, _for_weights, default_config, get_config)
+                      ROUTER_BLOCK_E, ROUTER_GEMV_MAX_TOKENS, ROUTER_SPLIT_H, _for_dtype, _for_weights, default_config,
+                      get_config)
 from .experts import (_combine_kernel, _dequantize_kernel, _down_decode_kernel, _down_grouped_kernel,
                       _gate_up_decode_kernel, _gate_up_grouped_kernel)
 from .gemv import _down_gemv_kernel, _down_h2_kernel, _gate_up_gemv_kernel, _gate_up_h2_kernel
-from .routing import _align_kernel, _histogram_kernel, _route_kernel
+from .routing import _align_kernel, _histogram_kernel, _route_kernel, _router_gemv_kernel
 from .tiles import SCALE_ON_ACC
 
 
@@ -54,33 +55,49 @@ def route(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool, co
     """Top-k routing of `logits` [T, E], or of hidden_states @ router_weight^T when those are given.
 
     With `shared_slot` an extra last slot names expert E with weight 1; with `hist` each CHUNK_TOKENS-token
-    chunk's expert histogram is written to it (the fused path's input to the sort).
+    chunk's expert histogram is written to it (the fused path's input to the sort). Router logits of up to
+    ROUTER_GEMV_MAX_TOKENS tokens come from `_router_gemv_kernel` (the router's rows spread over the GPU); the
+    routing kernel's own programs compute them at more tokens.
     """
     fused = hidden_states is not None
     T, E = (hidden_states.shape[0], router_weight.shape[0]) if fused else logits.shape
     out_k = top_k + int(shared_slot)
-    weights = torch.empty(T, out_k, dtype=torch.float32, device=(hidden_states if fused else logits).device)
-    ids = torch.empty(T, out_k, dtype=torch.int32, device=weights.device)
+    device = (hidden_states if fused else logits).device
+    weights = torch.empty(T, out_k, dtype=torch.float32, device=device)
+    ids = torch.empty(T, out_k, dtype=torch.int32, device=device)
     if T == 0:
         return weights, ids
     # the histogram is per CHUNK_TOKENS chunk; otherwise no more rows than tokens (decode: one row, one warp)
     block_t = CHUNK_TOKENS if hist is not None else min(16, triton.next_power_of_2(T))
     block_e = max(16, triton.next_power_of_2(E))
+    splits = 0
+    pdl = False
     dummy = weights
     with _device_guard(weights):
+        if fused and hist is None and T <= ROUTER_GEMV_MAX_TOKENS:
+            splits = triton.cdiv(hidden_states.shape[1], ROUTER_SPLIT_H)
+            logits = torch.empty(splits, T, E, dtype=torch.float32, device=device)
+            pdl = _pdl_device(device)
+            _router_gemv_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
+                hidden_states, router_weight, logits, T, E, hidden_states.shape[1], hidden_states.stride(0),
+                router_weight.stride(0), BLOCK_T=block_t, BLOCK_E=ROUTER_BLOCK_E, SPLIT_H=ROUTER_SPLIT_H, PDL=pdl,
+                launch_pdl=pdl, num_warps=4,
+            )
+            fused = False
         _route_kernel[(triton.cdiv(T, block_t),)](
-            dummy if fused else logits, hidden_states if fused else dummy, router_weight if fused else dummy,
+            dummy if fused else logits, hidden_states if fused else dummy,
+            router_weight if router_weight is not None else dummy,
             correction_bias if correction_bias is not None else dummy, weights, ids,
             hist if hist is not None else ids,
-            T, E, hidden_states.shape[1] if fused else 0, 0 if fused else logits.stride(0),
+            T, E, hidden_states.shape[1] if fused else 0, 0 if fused or splits else logits.stride(0),
             hidden_states.stride(0) if fused else 0, router_weight.stride(0) if fused else 0, scaling_factor,
             TOP_K=top_k, OUT_K=out_k, K_POW2=triton.next_power_of_2(out_k),
             SIGMOID=sigmoid, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
             NUM_GROUPS=num_groups, GROUPS_POW2=triton.next_power_of_2(max(num_groups, 1)), TOPK_GROUPS=topk_groups,
-            FUSED_LOGITS=fused, WRITE_HIST=hist is not None,
+            FUSED_LOGITS=fused, SPLITS=splits, WRITE_HIST=hist is not None,
             NUM_BINS=_num_bins(E + int(shared_slot)),
             PRECISION=_precision(router_weight.dtype if fused else torch.float16),
-            UPCAST=fused and _upcast_dots(router_weight.dtype),
+            UPCAST=fused and _upcast_dots(router_weight.dtype), PDL=pdl, launch_pdl=pdl,
             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=64 if block_e <= 128 else 32,
             num_warps=max(1, min(16, block_t * block_e // 512)),
         )
@@ -194,7 +211,12 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
 def _pdl(plan: dict, device: torch.device) -> bool:
     """Whether a kernel of this plan launches as a programmatic dependent of the one before (plan["PDL"]; CUDA
     sm_90+, not the interpreter)."""
-    return bool(plan.get("PDL", False)) and device.type == "cuda" and not _interpreting() and _sm90_or_newer(device)
+    return bool(plan.get("PDL", False)) and _pdl_device(device)
+
+
+def _pdl_device(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch as programmatic dependents (CUDA sm_90+, not the interpreter)."""
+    return device.type == "cuda" and not _interpreting() and _sm90_or_newer(device)
 
 
 @functools.cache
@@ -372,8 +394,12 @@ def moe_forward(hidden_states: torch.Tensor, router_weight: torch.Tensor, w_gate
     T = hidden_states.shape[0]
     has_shared = shared_gate_up is not None
     routing = (top_k, sigmoid, renormalize, correction_bias, num_groups, topk_groups, scaling_factor)
-    if T <= DECODE_MAX_TOKENS:
-        # a GEMV over all router rows needs the whole GPU: cuBLAS, then the routing kernel
+    if T <= ROUTER_GEMV_MAX_TOKENS:  # the router GEMV spread over the GPU, the routing kernel as its dependent
+        weights, ids = route(None, *routing, hidden_states=hidden_states, router_weight=router_weight,
+                             shared_slot=has_shared)
+        hist = None
+    elif T <= DECODE_MAX_TOKENS:
+        # a GEMM over all router rows needs the whole GPU: cuBLAS, then the routing kernel
         logits = torch.nn.functional.linear(hidden_states.to(router_weight.dtype), router_weight)
         weights, ids = route(logits, *routing, shared_slot=has_shared)
         hist = None

@@ -1,10 +1,38 @@
-"""Routing kernels: top-k of the router logits (the router GEMM fused at large T), the per-chunk expert
-histogram and the sort of (token, slot) pairs by expert."""
+"""Routing kernels: the router GEMV at a few tokens, top-k of the router logits (the router GEMM fused at
+large T), the per-chunk expert histogram and the sort of (token, slot) pairs by expert."""
 
 import triton
 import triton.language as tl
 
-from .tiles import _dot
+from .tiles import _dot, _pdl_launch_dependents, _pdl_wait
+
+
+# ----------------------------------------------------------------------------------------------------
+# Router GEMV (decode)
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["T"])
+def _router_gemv_kernel(x_ptr, w_ptr, part_ptr, T, E, H, stride_xt, stride_we,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SPLIT_H: tl.constexpr, PDL: tl.constexpr):
+    """Router logits of a few tokens spread over the GPU: program (e, s) loads its BLOCK_E router rows' SPLIT_H
+    columns once (one tile, every load issued at once), sums them against each token's columns in fp32 and
+    stores part[s, t, rows]; `_route_kernel` adds the splits in split order (deterministic, no atomics). PDL: x
+    is the previous kernel's output; the routing kernel may launch at once (one program, waiting for this grid)."""
+    pid_e = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    row_ok = rows < E
+    cols = pid_s * SPLIT_H + tl.arange(0, SPLIT_H)
+    col_ok = cols < H
+    _pdl_wait(PDL)
+    _pdl_launch_dependents(PDL)
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_we + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    for t in tl.static_range(BLOCK_T):
+        x = tl.load(x_ptr + t * stride_xt + cols, mask=col_ok & (cols * 0 + t < T), other=0.0).to(tl.float32)
+        tl.store(part_ptr + (pid_s * T + t) * E + rows, tl.sum(w * x[None, :], axis=1),
+                 mask=row_ok & (rows * 0 + t < T))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -19,10 +47,14 @@ def _route_kernel(
     TOP_K: tl.constexpr, OUT_K: tl.constexpr, K_POW2: tl.constexpr,
     SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
     NUM_GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-    FUSED_LOGITS: tl.constexpr, WRITE_HIST: tl.constexpr, NUM_BINS: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    FUSED_LOGITS: tl.constexpr, SPLITS: tl.constexpr, WRITE_HIST: tl.constexpr, NUM_BINS: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    """Top-k routing of logits loaded from logits_ptr [T, E], computed here (FUSED_LOGITS), or summed from
+    `_router_gemv_kernel`'s SPLITS partials at logits_ptr [SPLITS, T, E] (PDL: launched as its dependent)."""
+    _pdl_wait(PDL)
+    _pdl_launch_dependents(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
@@ -38,7 +70,13 @@ def _route_kernel(
             w = tl.load(router_w_ptr + cols.to(tl.int64)[:, None] * stride_re + hs[None, :],
                         mask=col_ok[:, None] & (hs < H)[None, :], other=0.0)
             logits = _dot(x.to(w.dtype), tl.trans(w), logits, PRECISION, UPCAST)
-        # round like F.linear in the router weight's dtype, so decode (cuBLAS) and this path agree
+        # round like F.linear in the router weight's dtype, so the routing of every path agrees
+        logits = logits.to(router_w_ptr.dtype.element_ty).to(tl.float32)
+    elif SPLITS > 0:
+        logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for s in range(SPLITS):
+            logits += tl.load(logits_ptr + (s * T + rows64)[:, None] * E + cols[None, :],
+                              mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         logits = logits.to(router_w_ptr.dtype.element_ty).to(tl.float32)
     else:
         logits = tl.load(logits_ptr + rows64[:, None] * stride_lt + cols[None, :],
