@@ -127,9 +127,9 @@ def test_route_matches_torch(k):
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("T", [1, 4])
 def test_router_gemv_full_size(k, name, T):
-    """Decode routing (the router GEMV's partial sums, then the routing kernel as its programmatic dependent on
-    sm_90) against routing cuBLAS's logits: the same experts, weights within a bf16 rounding of the logits; in a
-    CUDA graph of three calls, bit-equal to the eager call (the partials are summed in a fixed order)."""
+    """Decode routing (the router GEMV, then the routing kernel as its programmatic dependent on sm_90) against
+    routing cuBLAS's logits: the same experts, weights within a bf16 rounding of the logits; in a CUDA graph of
+    three calls, bit-equal to the eager call (fixed summation order)."""
     E, top_k, H, _, routing = MODELS[name]
     tk = k.ops.triton_kernels
     assert T <= tk.ROUTER_GEMV_MAX_TOKENS

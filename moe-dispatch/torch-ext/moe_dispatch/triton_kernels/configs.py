@@ -13,12 +13,12 @@ import triton
 DECODE_MAX_TOKENS = 16  # up to this many tokens one 16-row tile holds them all: the decode kernels run
 GEMV_MAX_TOKENS = 4  # 4-bit experts up to this many tokens: the GEMV kernels (gemv.py)
 PACKED_GEMV_MAX_TOKENS = 16  # the same for formats of the packed-fp16 GEMVs (`launch.packed_gemv`)
-# Up to this many tokens the router logits come from `_router_gemv_kernel`: programs of ROUTER_BLOCK_E router rows
-# by ROUTER_SPLIT_H columns (8 KB of bf16 weights each), all loads issued at once; cuBLAS took 4-6 us for these
-# GEMVs on the H100 (run 82), from 64 KB (Mixtral-8x7B) to 3.7 MB (DeepSeek-V3).
+# Up to this many tokens the router logits come from `_router_gemv_kernel`, ROUTER_BLOCK_E router rows per program
+# over all of H in tiles of ROUTER_GEMV_ELEMENTS products; cuBLAS took 4-6 us for these GEMVs on the H100 (run 82),
+# from 64 KB of router (Mixtral-8x7B) to 3.7 MB (DeepSeek-V3).
 ROUTER_GEMV_MAX_TOKENS = 4
-ROUTER_BLOCK_E = 8
-ROUTER_SPLIT_H = 512
+ROUTER_BLOCK_E = 2
+ROUTER_GEMV_ELEMENTS = 4096
 CHUNK_TOKENS = 64  # tokens per routing chunk; the sort places one chunk per program
 # 4-bit experts from this many (token, slot) pairs per expert: dequantized once into 16-bit experts (chunks of
 # at most DEQUANT_CHUNK_BYTES), then the bf16 grouped kernels, instead of dequantizing in every token block's K

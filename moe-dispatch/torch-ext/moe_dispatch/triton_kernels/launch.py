@@ -12,7 +12,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quantized import QuantizedExperts
 from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_BLOCK_N, DEQUANT_CHUNK_BYTES, DEQUANT_MIN_PAIRS,
-                      ROUTER_BLOCK_E, ROUTER_GEMV_MAX_TOKENS, ROUTER_SPLIT_H, _for_dtype, _for_weights, default_config,
+                      ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, _for_dtype, _for_weights, default_config,
                       get_config)
 from .experts import (_combine_kernel, _dequantize_kernel, _down_decode_kernel, _down_grouped_kernel,
                       _gate_up_decode_kernel, _gate_up_grouped_kernel)
@@ -70,31 +70,31 @@ def route(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool, co
     # the histogram is per CHUNK_TOKENS chunk; otherwise no more rows than tokens (decode: one row, one warp)
     block_t = CHUNK_TOKENS if hist is not None else min(16, triton.next_power_of_2(T))
     block_e = max(16, triton.next_power_of_2(E))
-    splits = 0
     pdl = False
     dummy = weights
     with _device_guard(weights):
         if fused and hist is None and T <= ROUTER_GEMV_MAX_TOKENS:
-            splits = triton.cdiv(hidden_states.shape[1], ROUTER_SPLIT_H)
-            logits = torch.empty(splits, T, E, dtype=torch.float32, device=device)
+            logits = torch.empty(T, E, dtype=router_weight.dtype, device=device)
             pdl = _pdl_device(device)
-            _router_gemv_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
+            block_h = min(ROUTER_GEMV_ELEMENTS // (block_t * ROUTER_BLOCK_E),
+                          triton.next_power_of_2(hidden_states.shape[1]))
+            _router_gemv_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](
                 hidden_states, router_weight, logits, T, E, hidden_states.shape[1], hidden_states.stride(0),
-                router_weight.stride(0), BLOCK_T=block_t, BLOCK_E=ROUTER_BLOCK_E, SPLIT_H=ROUTER_SPLIT_H, PDL=pdl,
+                router_weight.stride(0), BLOCK_T=block_t, BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=block_h, PDL=pdl,
                 launch_pdl=pdl, num_warps=4,
             )
             fused = False
         _route_kernel[(triton.cdiv(T, block_t),)](
             dummy if fused else logits, hidden_states if fused else dummy,
-            router_weight if router_weight is not None else dummy,
+            router_weight if fused else dummy,
             correction_bias if correction_bias is not None else dummy, weights, ids,
             hist if hist is not None else ids,
-            T, E, hidden_states.shape[1] if fused else 0, 0 if fused or splits else logits.stride(0),
+            T, E, hidden_states.shape[1] if fused else 0, 0 if fused else logits.stride(0),
             hidden_states.stride(0) if fused else 0, router_weight.stride(0) if fused else 0, scaling_factor,
             TOP_K=top_k, OUT_K=out_k, K_POW2=triton.next_power_of_2(out_k),
             SIGMOID=sigmoid, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
             NUM_GROUPS=num_groups, GROUPS_POW2=triton.next_power_of_2(max(num_groups, 1)), TOPK_GROUPS=topk_groups,
-            FUSED_LOGITS=fused, SPLITS=splits, WRITE_HIST=hist is not None,
+            FUSED_LOGITS=fused, WRITE_HIST=hist is not None,
             NUM_BINS=_num_bins(E + int(shared_slot)),
             PRECISION=_precision(router_weight.dtype if fused else torch.float16),
             UPCAST=fused and _upcast_dots(router_weight.dtype), PDL=pdl, launch_pdl=pdl,

@@ -13,26 +13,30 @@ from .tiles import _dot, _pdl_launch_dependents, _pdl_wait
 
 
 @triton.jit(do_not_specialize=["T"])
-def _router_gemv_kernel(x_ptr, w_ptr, part_ptr, T, E, H, stride_xt, stride_we,
-                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SPLIT_H: tl.constexpr, PDL: tl.constexpr):
-    """Router logits of a few tokens spread over the GPU: program (e, s) loads its BLOCK_E router rows' SPLIT_H
-    columns once (one tile, every load issued at once), sums them against each token's columns in fp32 and
-    stores part[s, t, rows]; `_route_kernel` adds the splits in split order (deterministic, no atomics). PDL: x
-    is the previous kernel's output; the routing kernel may launch at once (one program, waiting for this grid)."""
-    pid_e = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rows = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+def _router_gemv_kernel(x_ptr, w_ptr, logits_ptr, T, E, H, stride_xt, stride_we,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """Router logits of a few tokens spread over the GPU: program e sums x[t] * w[rows] over all of H for its
+    BLOCK_E router rows (fp32 products kept per column, one reduction after the loop) and stores them rounded to
+    the router's dtype, as F.linear does, into logits [T, E]. PDL: x is the previous kernel's output; the routing
+    kernel may launch at once (one program, waiting for this grid)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     row_ok = rows < E
-    cols = pid_s * SPLIT_H + tl.arange(0, SPLIT_H)
-    col_ok = cols < H
+    tokens = tl.arange(0, BLOCK_T)
+    token_ok = tokens < T
     _pdl_wait(PDL)
     _pdl_launch_dependents(PDL)
-    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_we + cols[None, :],
-                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    for t in tl.static_range(BLOCK_T):
-        x = tl.load(x_ptr + t * stride_xt + cols, mask=col_ok & (cols * 0 + t < T), other=0.0).to(tl.float32)
-        tl.store(part_ptr + (pid_s * T + t) * E + rows, tl.sum(w * x[None, :], axis=1),
-                 mask=row_ok & (rows * 0 + t < T))
+    acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        col_ok = cols < H
+        x = tl.load(x_ptr + tokens[:, None] * stride_xt + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_we + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    logits = tl.sum(acc, axis=2).to(w_ptr.dtype.element_ty)
+    tl.store(logits_ptr + tokens[:, None] * E + rows[None, :], logits, mask=token_ok[:, None] & row_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -47,12 +51,12 @@ def _route_kernel(
     TOP_K: tl.constexpr, OUT_K: tl.constexpr, K_POW2: tl.constexpr,
     SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
     NUM_GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-    FUSED_LOGITS: tl.constexpr, SPLITS: tl.constexpr, WRITE_HIST: tl.constexpr, NUM_BINS: tl.constexpr,
+    FUSED_LOGITS: tl.constexpr, WRITE_HIST: tl.constexpr, NUM_BINS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Top-k routing of logits loaded from logits_ptr [T, E], computed here (FUSED_LOGITS), or summed from
-    `_router_gemv_kernel`'s SPLITS partials at logits_ptr [SPLITS, T, E] (PDL: launched as its dependent)."""
+    """Top-k routing of logits loaded from logits_ptr [T, E] (PDL: launched as `_router_gemv_kernel`'s dependent)
+    or computed here (FUSED_LOGITS)."""
     _pdl_wait(PDL)
     _pdl_launch_dependents(PDL)
     pid = tl.program_id(0)
@@ -71,12 +75,6 @@ def _route_kernel(
                         mask=col_ok[:, None] & (hs < H)[None, :], other=0.0)
             logits = _dot(x.to(w.dtype), tl.trans(w), logits, PRECISION, UPCAST)
         # round like F.linear in the router weight's dtype, so the routing of every path agrees
-        logits = logits.to(router_w_ptr.dtype.element_ty).to(tl.float32)
-    elif SPLITS > 0:
-        logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for s in range(SPLITS):
-            logits += tl.load(logits_ptr + (s * T + rows64)[:, None] * E + cols[None, :],
-                              mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         logits = logits.to(router_w_ptr.dtype.element_ty).to(tl.float32)
     else:
         logits = tl.load(logits_ptr + rows64[:, None] * stride_lt + cols[None, :],
