@@ -1,9 +1,12 @@
 """The w4a16 benchmark's own tools, on the CPU."""
 
 import json
+import math
 from pathlib import Path
 
-from hubtools.bench.w4a16 import stand_in_table
+import torch
+
+from hubtools.bench.w4a16 import GOAL_HEURISTIC_VS_TUNED, _matmul_with, goals, stand_in_table
 from hubtools.workspace import Workspace
 
 
@@ -22,3 +25,31 @@ def test_a_table_stands_in_for_another_cards_only_in_the_build(load_kernel):
         stand_in_table(k, "Some GPU", None)
     assert k.tuning.table("Some GPU") == {}
     assert {p.name: p.read_bytes() for p in source.iterdir()} == before
+
+
+def test_heuristic_rows_run_the_given_config(load_kernel, monkeypatch):
+    """The bench's `ours-heuristic` rows: `_matmul_with` launches the weight with the config it is given (here
+    through the interpreter), the bits `triton_kernels.matmul` gives for that config, and the product the op gives."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    k = load_kernel("w4a16")
+    g = torch.Generator().manual_seed(3)
+    qw = k.quantize(torch.randn(256, 384, generator=g) * 0.02, group_size=128, zero_point=True)
+    x = torch.randn(3, 384, generator=g).half()
+    config = k.tuning.heuristic(3, 256, 384, 4)
+    out = _matmul_with(k, x, qw, config)
+    assert torch.equal(out, k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, None, 256, 384, 128,
+                                                    config))
+    torch.testing.assert_close(out, k.matmul(x, qw), rtol=2e-3, atol=2e-3)
+
+
+def test_goals_compare_the_heuristic_with_the_table():
+    """One goal per M: the geometric mean over the Llama-3 shapes of tuned time / heuristic time (shapes outside
+    the issue's set are reported, not scored)."""
+    rows = []
+    for label, tuned, heuristic in (("L3-8B qkv", 1.0, 1.25), ("L3-70B o", 2.0, 2.0), ("Q2.5-1.5B qkv", 1.0, 9.0)):
+        for impl, seconds in (("ours", tuned), ("ours-heuristic", heuristic), ("cublas-fp16", 4.0)):
+            rows.append({"case": f"{label} M=64 fp16", "impl": impl, "seconds": seconds, "bytes": 1})
+    found = [g for g in goals({"rows": rows, "copy_bandwidth": 1.0}) if g["goal"].startswith("heuristic")]
+    assert len(found) == 1 and found[0]["case"] == "M=64 fp16, 2 shapes"
+    assert math.isclose(found[0]["value"], math.sqrt(0.8)) and found[0]["target"] == GOAL_HEURISTIC_VS_TUNED
+    assert not found[0]["met"]

@@ -49,6 +49,10 @@ INT4PACK_INNER_K_TILES = 8
 GOALS = {1: 3.0, 4: 2.5, 16: 2.5, 64: 1.5, 256: 1.0, 1024: 0.95, 4096: 0.95}
 GOAL_NF4_VS_INT4 = 0.9
 GOAL_PCT_COPY_70B = 80.0
+GOAL_HEURISTIC_VS_TUNED = 0.9  # untuned shapes (the heuristic's launch) at least 0.9x the tuned launch's speed
+HEURISTIC_NOTE = ("`ours-heuristic`: the same weights launched with `tuning.heuristic`'s config (with this card's "
+                  "table thresholds) instead of the table's entry, i.e. what a shape without a tuned entry gets; "
+                  "goal: tuned time / heuristic time >= 0.9.")
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -121,7 +125,10 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
     warm_clocks()
     copy_bw = measure_copy_bandwidth()
     flops_peak = measure_matmul_flops()
-    rows, notes = [], []
+    rows, notes = [], [HEURISTIC_NOTE]
+    device = torch.device("cuda", torch.cuda.current_device())
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    thresholds = kernel.tuning.table(torch.cuda.get_device_name(device)).get("heuristic")
     for label, k, n in shapes:
         shape = _Shape(kernel, k, n)
         dense16 = shape.dense_copies(torch.float16)
@@ -134,11 +141,18 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
                                     shape.reference, torch.float16, plan)
             rows.append({"case": case, "impl": "ours", "seconds": t, "bytes": shape.our_bytes(m),
                          "ideal_bytes": shape.ideal_bytes(m), "baseline": "cublas-fp16", "rel_err": err, **base})
+            heuristic = kernel.tuning.heuristic(m, n, k, sm_count, thresholds)
+            t, err = _time_verified(lambda i: _matmul_with(kernel, xs[i], shape.qws[i % shape.copies], heuristic),
+                                    shape.copies, xs, shape.reference, torch.float16, plan)
+            rows.append({"case": case, "impl": "ours-heuristic", "seconds": t, "bytes": shape.our_bytes(m),
+                         "ideal_bytes": shape.ideal_bytes(m), "baseline": "cublas-fp16", "rel_err": err,
+                         "config": heuristic, **base})
             t, err = _time_verified(lambda i: F.linear(xs[i], dense16[i % len(dense16)]), len(dense16), xs,
                                     shape.reference, torch.float16, plan)
             rows.append({"case": case, "impl": "cublas-fp16", "seconds": t, "bytes": 2 * (n * k + m * (k + n)),
                          "rel_err": err, **base})
-            print(f"{case}: ours {rows[-2]['seconds'] * 1e6:.1f} us, cublas {t * 1e6:.1f} us", flush=True)
+            print(f"{case}: ours {rows[-3]['seconds'] * 1e6:.1f} us, heuristic {rows[-2]['seconds'] * 1e6:.1f} us, "
+                  f"cublas {t * 1e6:.1f} us", flush=True)
         del dense16
         if label in bf16_shapes:
             rows += _bf16_rows(kernel, shape, label, notes)
@@ -156,6 +170,13 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
         torch.cuda.empty_cache()
     return {"kernel": "w4a16", "env": environment(), "copy_bandwidth": copy_bw, "matmul_flops": flops_peak,
             "rows": rows, "notes": notes}
+
+
+def _matmul_with(kernel, x: torch.Tensor, qw, config: dict) -> torch.Tensor:
+    """`kernel.matmul(x, qw)` (no bias, no act-order) launched with `config` instead of `tuning.select`'s."""
+    n, k = qw.shape
+    return kernel.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, None, n, k, qw.group_size,
+                                        config, mins=qw.mins)
 
 
 def _bf16_rows(kernel, shape: _Shape, label: str, notes: list) -> list[dict]:
@@ -229,6 +250,12 @@ def goals(results: dict) -> list[dict]:
         if bf16:
             goal("bf16: geomean fp16 time / bf16 time", f"M={m}, {len(bf16)} shapes", geomean(bf16),
                  GOAL_NF4_VS_INT4)
+    for m in GOALS:
+        tuned = [c["ours"]["seconds"] / c["ours-heuristic"]["seconds"] for name, c in by_case.items()
+                 if name.endswith(f" M={m} fp16") and "ours-heuristic" in c and "ours" in c]
+        if tuned:
+            goal("heuristic: geomean tuned time / heuristic time", f"M={m} fp16, {len(tuned)} shapes", geomean(tuned),
+                 GOAL_HEURISTIC_VS_TUNED)
     for name, c in by_case.items():
         if name.startswith("L3-70B") and name.endswith(" M=1 fp16"):
             r = c["ours"]
