@@ -238,12 +238,15 @@ def goals(results: dict) -> list[dict]:
         if ratios:
             goal(f"M={m}: geomean speed-up vs cuBLAS fp16", f"M={m} fp16, {len(ratios)} shapes", geomean(ratios),
                  target)
+    def against_ours(m, impl, name, target):
+        """ours time / `impl` time on each fp16 shape at M: their geomean as one goal."""
+        ratios = [c["ours"]["seconds"] / c[impl]["seconds"] for case, c in by_case.items()
+                  if case.endswith(f" M={m} fp16") and impl in c and "ours" in c]
+        if ratios:
+            goal(name, f"M={m} fp16, {len(ratios)} shapes", geomean(ratios), target)
+
     for m in GOALS:
-        nf4 = [c["ours"]["seconds"] / c["ours-nf4"]["seconds"] for name, c in by_case.items()
-               if name.endswith(f" M={m} fp16") and "ours-nf4" in c and "ours" in c]
-        if nf4:
-            goal("NF4: geomean int4 time / NF4 time", f"M={m} fp16, {len(nf4)} shapes", geomean(nf4),
-                 GOAL_NF4_VS_INT4)
+        against_ours(m, "ours-nf4", "NF4: geomean int4 time / NF4 time", GOAL_NF4_VS_INT4)
         bf16 = [by_case[name.replace(" bf16", " fp16")]["ours"]["seconds"] / c["ours"]["seconds"]
                 for name, c in by_case.items() if name.endswith(f" M={m} bf16") and "ours" in c
                 and "ours" in by_case.get(name.replace(" bf16", " fp16"), {})]
@@ -251,11 +254,7 @@ def goals(results: dict) -> list[dict]:
             goal("bf16: geomean fp16 time / bf16 time", f"M={m}, {len(bf16)} shapes", geomean(bf16),
                  GOAL_NF4_VS_INT4)
     for m in GOALS:
-        tuned = [c["ours"]["seconds"] / c["ours-heuristic"]["seconds"] for name, c in by_case.items()
-                 if name.endswith(f" M={m} fp16") and "ours-heuristic" in c and "ours" in c]
-        if tuned:
-            goal("heuristic: geomean tuned time / heuristic time", f"M={m} fp16, {len(tuned)} shapes", geomean(tuned),
-                 GOAL_HEURISTIC_VS_TUNED)
+        against_ours(m, "ours-heuristic", "heuristic: geomean tuned time / heuristic time", GOAL_HEURISTIC_VS_TUNED)
     for name, c in by_case.items():
         if name.startswith("L3-70B") and name.endswith(" M=1 fp16"):
             r = c["ours"]
