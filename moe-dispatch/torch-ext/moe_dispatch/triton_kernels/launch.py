@@ -12,8 +12,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quantized import QuantizedExperts
 from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_BLOCK_N, DEQUANT_CHUNK_BYTES, DEQUANT_MIN_PAIRS,
-                      ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, _for_dtype, _for_weights, default_config,
-                      get_config)
+                      ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, _for_dtype, _for_weights,
+                      default_config, get_config)
 from .experts import (_combine_kernel, _dequantize_kernel, _down_decode_kernel, _down_grouped_kernel,
                       _gate_up_decode_kernel, _gate_up_grouped_kernel)
 from .gemv import _down_gemv_kernel, _down_h2_kernel, _gate_up_gemv_kernel, _gate_up_h2_kernel
