@@ -83,7 +83,7 @@ def route(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool, co
                 router_weight.stride(0), BLOCK_T=block_t, BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=block_h, PDL=pdl,
                 launch_pdl=pdl, num_warps=4,
             )
-            fused = False
+            fused = False  # the routing kernel reads these logits as it reads cuBLAS's
         _route_kernel[(triton.cdiv(T, block_t),)](
             dummy if fused else logits, hidden_states if fused else dummy,
             router_weight if fused else dummy,
