@@ -126,9 +126,8 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
     copy_bw = measure_copy_bandwidth()
     flops_peak = measure_matmul_flops()
     rows, notes = [], [HEURISTIC_NOTE]
-    device = torch.device("cuda", torch.cuda.current_device())
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    thresholds = kernel.tuning.table(torch.cuda.get_device_name(device)).get("heuristic")
+    device_name, sm_count = kernel.tuning.device_info(torch.device("cuda", torch.cuda.current_device()))
+    thresholds = kernel.tuning.table(device_name).get("heuristic")
     for label, k, n in shapes:
         shape = _Shape(kernel, k, n)
         dense16 = shape.dense_copies(torch.float16)
@@ -238,6 +237,7 @@ def goals(results: dict) -> list[dict]:
         if ratios:
             goal(f"M={m}: geomean speed-up vs cuBLAS fp16", f"M={m} fp16, {len(ratios)} shapes", geomean(ratios),
                  target)
+
     def against_ours(m, impl, name, target):
         """ours time / `impl` time on each fp16 shape at M: their geomean as one goal."""
         ratios = [c["ours"]["seconds"] / c[impl]["seconds"] for case, c in by_case.items()

@@ -68,7 +68,8 @@ def table(device_name: str) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_info(device: torch.device) -> tuple[str, int]:
+def device_info(device: torch.device) -> tuple[str, int]:
+    """(name, SM count) of a device; the Triton interpreter on CPU tensors counts as a small GPU."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return props.name, props.multi_processor_count
@@ -149,7 +150,7 @@ def mma_heuristic(m: int, rows: int, tiles: int, sm_count: int) -> dict:
 def select(m: int, n: int, k: int, device: torch.device, nf4_group: int | None = None) -> dict:
     """The tuned config for (N, K) and M's bucket on this GPU, else the heuristic; for NF4 weights (`nf4_group`:
     their group size) with their own tensor-core tiles (`nf4_tiles`)."""
-    name, sm_count = _device_info(device)
+    name, sm_count = device_info(device)
     tuned = table(name)
     entry = tuned.get("shapes", {}).get(f"{n}x{k}")
     if entry is None and device.type != "cpu":

@@ -36,5 +36,5 @@ from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_MIN_PAIRS, GEMV_M
 from .launch import experts, moe_forward, packed_gemv, route
 
 __all__ = ["CHUNK_TOKENS", "DECODE_MAX_TOKENS", "DEQUANT_MIN_PAIRS", "GEMV_MAX_TOKENS", "PACKED_GEMV_MAX_TOKENS",
-           "ROUTER_GEMV_MAX_TOKENS", "config_path",
-           "default_config", "experts", "get_config", "moe_forward", "packed_gemv", "route"]
+           "ROUTER_GEMV_MAX_TOKENS", "config_path", "default_config", "experts", "get_config", "moe_forward",
+           "packed_gemv", "route"]

@@ -85,8 +85,7 @@ def route(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool, co
             )
             fused = False  # the routing kernel reads these logits as it reads cuBLAS's
         _route_kernel[(triton.cdiv(T, block_t),)](
-            dummy if fused else logits, hidden_states if fused else dummy,
-            router_weight if fused else dummy,
+            dummy if fused else logits, hidden_states if fused else dummy, router_weight if fused else dummy,
             correction_bias if correction_bias is not None else dummy, weights, ids,
             hist if hist is not None else ids,
             T, E, hidden_states.shape[1] if fused else 0, 0 if fused else logits.stride(0),
