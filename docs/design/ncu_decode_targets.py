@@ -1,0 +1,63 @@
+"""A target program for Nsight Compute: the decode kernels whose bytes move at 50-65 % of copy bandwidth, next to
+those at ~87 % and cuBLAS, so the counters can say why (stall reasons, DRAM throughput, occupancy).
+
+Each case is called once to compile and warm up, then once inside the NVTX range "profile", which ncu selects:
+
+    ncu --clock-control none --nvtx --nvtx-include "profile/" --set full -o $OUT/decode \
+        python docs/design/ncu_decode_targets.py [w4a16] [moe]
+    ncu --import $OUT/decode.ncu-rep --page details --csv > $OUT/decode-details.csv
+
+Cases: w4a16 at M = 1, fp16, int4 g128, the eight Llama-3 shapes on the shipped launch (the card's table);
+70B o with twice the warps per SM (4 warps per program, or 8-row programs); cuBLAS fp16 on the two shapes furthest
+apart (70B gate_up at ~87 % of copy, 70B o at ~52 %); moe-dispatch `experts` at T = 1 with int4 g128 experts,
+bf16 activations, Mixtral-8x7B and Qwen3-30B-A3B shapes. Run from the repository root with PYTHONPATH=. (needs a
+GPU). Kernels are listed in launch order in the report; the case names are printed in the same order.
+"""
+import sys
+
+import torch
+
+from hubtools.bench import moe_dispatch as mb
+from hubtools.bench import w4a16 as wb
+from hubtools.build import loaded_kernel
+from hubtools.workspace import Workspace
+
+which = set(sys.argv[1:]) or {"w4a16", "moe"}
+cases = []  # (name, fn)
+with loaded_kernel(Workspace.load().kernels(["w4a16"])[0]) as w4a16, \
+        loaded_kernel(Workspace.load().kernels(["moe-dispatch"])[0]) as moe:
+    torch.manual_seed(0)
+    if "w4a16" in which:
+        for label, k, n in wb.SHAPES:
+            weight = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+            qw = w4a16.quantize(weight, group_size=wb.GROUP)
+            x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+            cases.append((f"w4a16 {label} M=1", lambda x=x, qw=qw: w4a16.matmul(x, qw)))
+            if label == "L3-70B o":  # the shipped launch with twice the warps per SM, two ways
+                shipped = w4a16.tuning.select(1, n, k, x.device)
+                for variant in ({"half2": {"num_warps": 4}}, {"half2": {"block_n": 8}}):
+                    config = wb._override(shipped, variant)
+                    cases.append((f"w4a16 {label} M=1 {variant}", lambda x=x, qw=qw, c=config:
+                                  wb._matmul_with(w4a16, x, qw, c)))
+            if label in ("L3-70B gate_up", "L3-70B o"):
+                cases.append((f"cublas {label} M=1", lambda x=x, w=weight: x @ w.t()))
+            else:
+                del weight
+    if "moe" in which:
+        spec = mb.QUANT_FORMATS["int4-g128"]
+        for name in ("mixtral-8x7b", "qwen3-30b-a3b"):
+            model = mb.MODELS[name]
+            (layer,) = mb.make_quantized_layers(moe, model, 1, spec)
+            case = mb.QuantCase(moe, model, [layer], 1, "int4-g128", mb.quant_expert_bytes(moe, model, spec), seed=3)
+            weights, ids = case.routes[0]
+            cases.append((f"moe {name} T=1", lambda c=case, l=layer, w=weights, i=ids:
+                          moe.fused_experts(c.xs[0], l.w_gate_up, l.w_down, w, i)))
+    for _, fn in cases:
+        fn()
+    torch.cuda.synchronize()
+    for name, fn in cases:
+        torch.cuda.nvtx.range_push("profile")
+        fn()
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+        print(name, flush=True)
