@@ -11,6 +11,7 @@ So 4-bit - bf16 - dequantize is what the chunking and the shared launches cost.
 
     PYTHONPATH=. python docs/design/moe-dispatch/moe_dequant_breakdown.py out.json [model ...]
 """
+import collections
 import json
 import sys
 
@@ -41,9 +42,8 @@ with loaded_kernel(project) as k:
         args = (model.experts, model.hidden, model.intermediate, model.top_k)
         dequant_config = {"DEQUANT": True, **tk.get_config(T, *args, torch.bfloat16, x.device)}
 
-        def dequantize(i):
-            for _ in launch._dequantized_experts(layer.w_gate_up, layer.w_down, torch.bfloat16):
-                pass
+        def dequantize(i):  # every chunk's dequantize launches, nothing else
+            collections.deque(launch._dequantized_experts(layer.w_gate_up, layer.w_down, torch.bfloat16), maxlen=0)
 
         def four_bit(i):
             return tk.experts(x, layer.w_gate_up, layer.w_down, weights, ids, out, config=dequant_config)
