@@ -24,8 +24,8 @@ from hubtools.workspace import Workspace
 
 which = set(sys.argv[1:]) or {"w4a16", "moe"}
 cases = []  # (name, fn)
-with loaded_kernel(Workspace.load().kernels(["w4a16"])[0]) as w4a16, \
-        loaded_kernel(Workspace.load().kernels(["moe-dispatch"])[0]) as moe:
+w4a16_project, moe_project = Workspace.load().kernels(["w4a16", "moe-dispatch"])
+with loaded_kernel(w4a16_project) as w4a16, loaded_kernel(moe_project) as moe:
     torch.manual_seed(0)
     if "w4a16" in which:
         for label, k, n in wb.SHAPES:
