@@ -85,7 +85,8 @@ def _route_kernel(
     else:
         row_max = tl.max(tl.where(col_ok[None, :], logits, float("-inf")), axis=1)
         p = tl.where(col_ok[None, :], tl.exp(logits - row_max[:, None]), 0.0)
-        scores = p / tl.sum(p, axis=1)[:, None]
+        row_sum = tl.sum(p, axis=1)
+        scores = p / row_sum[:, None]
     choice = scores
     if HAS_BIAS:  # the correction bias steers selection only; weights stay the plain scores
         choice += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -97,9 +98,9 @@ def _route_kernel(
         group_scores = tl.full([BLOCK_T, GROUPS_POW2], float("-inf"), tl.float32)
         for g in tl.static_range(NUM_GROUPS):
             in_group = tl.where((group_of_col == g)[None, :], choice, float("-inf"))
-            best = tl.argmax(in_group, axis=1)
+            first, best = tl.max(in_group, axis=1, return_indices=True, return_indices_tie_break_left=True)
             second = tl.max(tl.where(cols[None, :] == best[:, None], float("-inf"), in_group), axis=1)
-            group_scores = tl.where(gcols[None, :] == g, (tl.max(in_group, axis=1) + second)[:, None], group_scores)
+            group_scores = tl.where(gcols[None, :] == g, (first + second)[:, None], group_scores)
         keep = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
         for _ in tl.static_range(TOPK_GROUPS):
             best_group = tl.argmax(group_scores, axis=1)
@@ -114,9 +115,20 @@ def _route_kernel(
     for j in tl.static_range(TOP_K):
         best = tl.argmax(choice, axis=1)
         picked = cols[None, :] == best[:, None]
-        top_w = tl.where(kcols[None, :] == j, tl.sum(tl.where(picked, scores, 0.0), axis=1)[:, None], top_w)
+        if FUSED_LOGITS:
+            top_w = tl.where(kcols[None, :] == j, tl.sum(tl.where(picked, scores, 0.0), axis=1)[:, None], top_w)
         top_i = tl.where(kcols[None, :] == j, best.to(tl.int32)[:, None], top_i)
         choice = tl.where(picked, float("-inf"), choice)
+    if not FUSED_LOGITS:
+        # the chosen logits again from memory (cached) and their scores by the same arithmetic: no reduction per
+        # slot, whose shuffles bound this kernel at a few tokens
+        slot_ok = row_ok[:, None] & (kcols < TOP_K)[None, :]
+        chosen = tl.load(logits_ptr + rows64[:, None] * stride_lt + top_i, mask=slot_ok, other=0.0).to(tl.float32)
+        if SIGMOID:
+            top_w = tl.sigmoid(chosen)
+        else:
+            top_w = tl.exp(chosen - row_max[:, None]) / row_sum[:, None]
+        top_w = tl.where(slot_ok, top_w, 0.0)
     if RENORMALIZE:
         denom = tl.sum(top_w, axis=1)
         if SIGMOID:
