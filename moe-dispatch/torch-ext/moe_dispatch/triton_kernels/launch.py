@@ -67,8 +67,10 @@ def route(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool, co
     ids = torch.empty(T, out_k, dtype=torch.int32, device=device)
     if T == 0:
         return weights, ids
-    # the histogram is per CHUNK_TOKENS chunk; otherwise no more rows than tokens (decode: one row, one warp)
-    block_t = CHUNK_TOKENS if hist is not None else min(16, triton.next_power_of_2(T))
+    # the histogram is per CHUNK_TOKENS chunk; at decode one token per program (its warp reductions' latency is the
+    # kernel's time, so tokens side by side cost one token's time); otherwise up to 16 tokens per program
+    block_t = (CHUNK_TOKENS if hist is not None else 1 if T <= DECODE_MAX_TOKENS
+               else min(16, triton.next_power_of_2(T)))
     block_e = max(16, triton.next_power_of_2(E))
     pdl = False
     dummy = weights
@@ -76,11 +78,12 @@ def route(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool, co
         if fused and hist is None and T <= ROUTER_GEMV_MAX_TOKENS:
             logits = torch.empty(T, E, dtype=router_weight.dtype, device=device)
             pdl = _pdl_device(device)
-            block_h = min(ROUTER_GEMV_ELEMENTS // (block_t * ROUTER_BLOCK_E),
+            gemv_t = triton.next_power_of_2(T)  # every token in each program of router rows
+            block_h = min(ROUTER_GEMV_ELEMENTS // (gemv_t * ROUTER_BLOCK_E),
                           triton.next_power_of_2(hidden_states.shape[1]))
             _router_gemv_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](
                 hidden_states, router_weight, logits, T, E, hidden_states.shape[1], hidden_states.stride(0),
-                router_weight.stride(0), BLOCK_T=block_t, BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=block_h, PDL=pdl,
+                router_weight.stride(0), BLOCK_T=gemv_t, BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=block_h, PDL=pdl,
                 launch_pdl=pdl, num_warps=4,
             )
             fused = False  # the routing kernel reads these logits as it reads cuBLAS's
