@@ -309,47 +309,68 @@ def test_dot_operand_plans(k, monkeypatch, operands, fmt_name, T, dtype):
     assert_close(out, quantized_reference(k, x, q_gate_up, q_down, weights, ids), dtype)
 
 
-@pytest.mark.parametrize("fmt_name,dtype,chunk_experts", [
-    ("int4-zp-g64", torch.bfloat16, 1), ("nf4-g64", torch.float16, 3), ("int4-min-g32", torch.float32, 2),
-    ("int4-sym-g256", torch.bfloat16, 6), ("int4-zp-channel", torch.float16, 1)])
-def test_dequantize_first(k, monkeypatch, fmt_name, dtype, chunk_experts):
-    """At many pairs per expert the experts are dequantized (chunks of experts into reused buffers) and run by
-    the bf16 grouped kernels: every format, chunks of one expert to all, empty experts, into a NaN-poisoned output."""
+@pytest.mark.parametrize("fmt_name,dtype,chunk_cols", [
+    ("int4-zp-g64", torch.bfloat16, 16), ("nf4-g64", torch.float16, 48), ("int4-min-g32", torch.float32, 32),
+    ("int4-sym-g256", torch.bfloat16, 1 << 20), ("int4-zp-channel", torch.float16, 16)])
+def test_dequantize_first(k, monkeypatch, fmt_name, dtype, chunk_cols):
+    """At many pairs per expert the experts are dequantized (chunks of columns of every expert into one reused
+    buffer) and run by the bf16 grouped kernels: every format, one chunk to many, chunks that end inside a block
+    of columns, empty experts, into a NaN-poisoned output."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     tk = k.ops.triton_kernels
     _, fmt, zero_point, group_size, H, I = FORMATS[FORMAT_IDS.index(fmt_name)]
     E, top_k, T = 6, 2, 20
     q_gate_up, q_down = quantized_experts(k, E, H, I, fmt, zero_point, group_size, dtype)
-    per_expert = (2 * I * H + H * I) * dtype.itemsize
-    monkeypatch.setattr(tk.launch, "DEQUANT_CHUNK_BYTES", chunk_experts * per_expert)
+    # gate/up chunks of chunk_cols columns (gate and up rows of every expert); the down chunks take as many bytes
+    monkeypatch.setattr(tk.launch, "DEQUANT_CHUNK_BYTES", chunk_cols * E * 2 * H * dtype.itemsize)
     monkeypatch.setattr(tk.launch, "DEQUANT_MIN_PAIRS", 2)  # 40 pairs on 6 experts: past it
+    monkeypatch.setattr(tk.launch, "DEQUANT_BLOCK_N", 8)  # several dequantize programs per chunk
     chunks = []
-    dequantized = tk.launch._dequantized_experts
+    dequantized = tk.launch._dequantized_columns
 
-    def counted(*args):
-        for lo, gu, dn in dequantized(*args):
-            chunks.append((lo, gu.shape[0]))
-            yield lo, gu, dn
+    def counted(w, dtype, cols, block_n, gate_up):
+        spans = []
+        for col_lo, width, out in dequantized(w, dtype, cols, block_n, gate_up):
+            assert width % block_n == 0 or col_lo + width == cols
+            spans.append((col_lo, width))
+            yield col_lo, width, out
+        assert [lo for lo, _ in spans] == list(range(0, cols, spans[0][1]))  # the columns, each once, in order
+        chunks.append(len(spans))
 
-    monkeypatch.setattr(tk.launch, "_dequantized_experts", counted)
+    monkeypatch.setattr(tk.launch, "_dequantized_columns", counted)
     x = torch.randn(T, H).to(dtype)
     weights, ids = routing("empty", T, E, top_k)
     out = torch.full((T, H), float("nan"), dtype=dtype)
-    tk.experts(x, q_gate_up, q_down, weights, ids, out)
-    assert chunks == [(lo, min(chunk_experts, E - lo)) for lo in range(0, E, chunk_experts)]
+    plan = {"BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 2}
+    # one chunk: the launcher's own choice past DEQUANT_MIN_PAIRS; else 16-column blocks, so chunk_cols (a multiple
+    # of 16) is the chunk's width
+    config = None if chunk_cols >= 1 << 20 else {"DEQUANT": True, "BLOCK_M": 16, "gate_up": plan, "down": plan}
+    tk.experts(x, q_gate_up, q_down, weights, ids, out, config=config)
+    assert len(chunks) == 2 and chunks[0] == -(-I // chunk_cols)
     assert_close(out, quantized_reference(k, x, q_gate_up, q_down, weights, ids), dtype)
 
 
 def test_dequantize_kernel_matches_dequantize(k, monkeypatch):
-    """The dequantize kernel's experts are `dequantize`'s, bit for bit (one fp32 product, one rounding)."""
+    """The dequantize kernel's experts are `dequantize`'s, bit for bit (one fp32 product, one rounding), in one
+    chunk and in chunks of 8 columns (gate / up: the chunk's gate rows, then its up rows)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launch = k.ops.triton_kernels.launch
     for name in ("int4-zp-g64", "nf4-g64", "int4-zp-channel"):
         _, fmt, zero_point, group_size, H, I = FORMATS[FORMAT_IDS.index(name)]
         q_gate_up, q_down = quantized_experts(k, 3, H, I, fmt, zero_point, group_size, torch.float16)
-        ((lo, gu, dn),) = list(k.ops.triton_kernels.launch._dequantized_experts(q_gate_up, q_down, torch.float16))
-        assert lo == 0
-        assert torch.equal(gu, k.dequantize(q_gate_up, torch.float16)), name
-        assert torch.equal(dn, k.dequantize(q_down, torch.float16)), name
+        gate_up, down = (k.dequantize(q, torch.float16) for q in (q_gate_up, q_down))
+        monkeypatch.setattr(launch, "DEQUANT_CHUNK_BYTES", 1 << 30)
+        ((lo, width, gu),) = list(launch._dequantized_columns(q_gate_up, torch.float16, I, 8, True))
+        assert (lo, width) == (0, I) and torch.equal(gu, gate_up), name
+        ((lo, width, dn),) = list(launch._dequantized_columns(q_down, torch.float16, H, 8, False))
+        assert (lo, width) == (0, H) and torch.equal(dn, down), name
+        monkeypatch.setattr(launch, "DEQUANT_CHUNK_BYTES", 8 * 3 * 2 * H * 2)  # 8 gate/up columns
+        spans = []
+        for lo, width, gu in launch._dequantized_columns(q_gate_up, torch.float16, I, 8, True):
+            assert torch.equal(gu[:, :width], gate_up[:, lo:lo + width]), name
+            assert torch.equal(gu[:, width:], gate_up[:, I + lo:I + lo + width]), name
+            spans.append((lo, width))
+        assert spans == [(lo, min(8, I - lo)) for lo in range(0, I, 8)], name
 
 
 def test_packed_gemv_cut(k):

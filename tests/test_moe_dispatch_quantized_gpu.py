@@ -141,8 +141,9 @@ def test_dot_operand_plans(k, operands, name, dtype, T, block_m):
 
 @pytest.mark.parametrize("name,dtype", [("int4-g128", torch.bfloat16), ("nf4-g64", torch.float16)])
 def test_dequantize_first(k, monkeypatch, name, dtype):
-    """Many pairs per expert: the experts dequantized in chunks of 3 (6 chunks, the last one short) and run by the
-    bf16 grouped kernels; E=16, H=1920, I=768, T=1200, top-8 (600 pairs per expert), NaN-poisoned output."""
+    """Many pairs per expert: the experts dequantized in chunks of columns (a budget of 3 experts' bytes: several
+    chunks of gate/up and of down columns, the last ones short) and run by the bf16 grouped kernels; E=16, H=1920,
+    I=768, T=1200, top-8 (600 pairs per expert), NaN-poisoned output."""
     E, H, I, T, top_k = 16, 1920, 768, 1200, 8
     tk = k.ops.triton_kernels
     assert T * top_k >= tk.DEQUANT_MIN_PAIRS * E

@@ -2,7 +2,7 @@
 path and the bf16 path goes (Mixtral-8x7B T = 4096: 6797 against 5012 us in run 87, the goal 0.8x missed at 0.737).
 
 Times by CUDA-graph replay, `experts` only (routing precomputed), int4 g128, bf16 activations:
-- "dequantize": the dequantize kernels of every chunk alone (`_dequantized_experts` run through), and their bytes
+- "dequantize": the dequantize kernels of every chunk alone (`_dequantized_columns` run through), and their bytes
   (4-bit words and scales in, bf16 out) as a share of the copy bandwidth measured in the same run;
 - "4-bit": `experts` on the 4-bit experts as shipped (chunks of DEQUANT_CHUNK_BYTES);
 - "4-bit, one chunk": the same with every expert in one chunk (the grouped kernels launched once);
@@ -43,7 +43,10 @@ with loaded_kernel(project) as k:
         dequant_config = {"DEQUANT": True, **tk.get_config(T, *args, torch.bfloat16, x.device)}
 
         def dequantize(i):  # every chunk's dequantize launches, nothing else
-            collections.deque(launch._dequantized_experts(layer.w_gate_up, layer.w_down, torch.bfloat16), maxlen=0)
+            for w, cols, plan, gate_up in ((layer.w_gate_up, model.intermediate, dequant_config["gate_up"], True),
+                                           (layer.w_down, model.hidden, dequant_config["down"], False)):
+                collections.deque(launch._dequantized_columns(w, torch.bfloat16, cols, plan["BLOCK_N"], gate_up),
+                                  maxlen=0)
 
         def four_bit(i):
             return tk.experts(x, layer.w_gate_up, layer.w_down, weights, ids, out, config=dequant_config)

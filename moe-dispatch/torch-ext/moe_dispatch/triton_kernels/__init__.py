@@ -22,9 +22,9 @@ per (token, slot) pair and block of rows): `_gate_up_h2_kernel` / `_down_h2_kern
 TMA rings; int4 in groups of >= 128 columns or per channel, 16-bit activations, T <= PACKED_GEMV_MAX_TOKENS),
 else `_gate_up_gemv_kernel` / `_down_gemv_kernel` (fp32, T <= GEMV_MAX_TOKENS); a down GEMV split over K
 leaves fp32 partial sums that the combine adds. From DEQUANT_MIN_PAIRS (token, slot) pairs per expert the
-experts are instead dequantized once (`_dequantize_kernel`, chunks of experts into reused 16-bit buffers) and the
-grouped kernels run as for 16-bit experts, one pair of launches per chunk. No shared expert rides along with
-4-bit experts (the op adds a dense one after).
+experts are instead dequantized once (`_dequantize_kernel`, chunks of columns of every expert into a reused
+16-bit buffer) and the grouped kernels run as for 16-bit experts, one launch per chunk over that chunk's
+columns. No shared expert rides along with 4-bit experts (the op adds a dense one after).
 
 Buffers are sized by upper bounds known from shapes: the padded pair count is at most
 (T*k // BLOCK_M + min(E, T*k)) * BLOCK_M <= T*k + E*(BLOCK_M-1). A shared expert of the routed experts'

@@ -32,7 +32,7 @@ def _grouped_tile(pid, num_m_blocks, N, block_expert_ptr, sorted_ids_ptr,
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _gate_up_grouped_kernel(
     x_ptr, w_ptr, shared_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr,
-    num_pairs, H, I, num_m_blocks, num_routed, expert_lo, expert_hi,
+    num_pairs, H, I, num_m_blocks, num_routed, col_lo, cols, up_row,
     stride_xt, stride_we, stride_wn, stride_sn, stride_se, stride_sg, stride_it,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -41,31 +41,32 @@ def _gate_up_grouped_kernel(
 ):
     """QUANT: 4-bit experts (BLOCK_K is then the packed tile, 128; w_ptr the packed words, s/z/m/cb_ptr their
     scales, zero points, minima and codebook; no shared expert); PACKED / SWAP_AB: how the dots take the
-    dequantized tile (`tiles._accumulate`, `launch._dot_flags`). Only blocks of experts in [expert_lo, expert_hi)
-    run, and w_ptr holds expert expert_lo first (the dequantized experts of one chunk, `launch._dequantized_experts`)."""
-    pid_n, expert, rows, pairs = _grouped_tile(tl.program_id(0), num_m_blocks, I, block_expert_ptr,
+    dequantized tile (`tiles._accumulate`, `launch._dot_flags`). The launch covers the `cols` intermediate columns
+    from col_lo: column n's gate row is w's row n - col_lo, its up row up_row further (the whole weight: 0, I, I; a
+    chunk of dequantized columns, `launch._dequantized_columns`: col_lo, its width, its width)."""
+    pid_n, expert, rows, pairs = _grouped_tile(tl.program_id(0), num_m_blocks, cols, block_expert_ptr,
                                                sorted_ids_ptr, BLOCK_M, BLOCK_N, GROUP_M)
-    if (expert < expert_lo) | (expert >= expert_hi):  # unused blocks have expert -1
+    if expert < 0:  # an unused block
         return
-    expert -= expert_lo
     row_ok = pairs < num_pairs
     tokens = (pairs // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
+    offs_n = col_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < col_lo + cols
+    w_rows = (offs_n - col_lo).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     if QUANT:
         q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, expert, stride_we, stride_se)
-        g_rows = offs_n.to(tl.int64)
         act = _swiglu_tile_q(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :], row_ok, q_base, s_base, z_base,
-                             m_base, cb_ptr, g_rows, g_rows + I, n_ok, H, stride_wn, stride_sg, PRECISION, UPCAST,
+                             m_base, cb_ptr, w_rows, w_rows + up_row, n_ok, H, stride_wn, stride_sg, PRECISION, UPCAST,
                              BLOCK_M, BLOCK_N, EVEN_K, NF4, HAS_ZERO, HAS_MIN, GROUP, SCALE_ON_ACC,
                              PACKED, SWAP_AB, x_ptr.dtype.element_ty)
     else:
-        w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed - expert_lo, stride_we, stride_wn,
-                                           stride_sn, HAS_SHARED)
-        g_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None]
+        w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed, stride_we, stride_wn, stride_sn,
+                                           HAS_SHARED)
+        g_ptrs = w_base + w_rows[None, :] * stride_n + offs_k[:, None]
         act = _swiglu_tile(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :], row_ok,
-                           g_ptrs, g_ptrs + I * stride_n, n_ok, H, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                           g_ptrs, g_ptrs + up_row * stride_n, n_ok, H, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+                           EVEN_K)
     tl.store(inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_n[None, :],
              act.to(inter_ptr.dtype.element_ty), mask=n_ok[None, :])
 
@@ -73,33 +74,34 @@ def _gate_up_grouped_kernel(
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _down_grouped_kernel(
     inter_ptr, w_ptr, shared_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
-    num_pairs, H, I, num_m_blocks, num_routed, expert_lo, expert_hi,
+    num_pairs, H, I, num_m_blocks, num_routed, col_lo, cols,
     stride_it, stride_we, stride_wn, stride_sn, stride_se, stride_sg, stride_ot,
     HAS_SHARED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
     GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
-    """The down projection of the blocks of experts in [expert_lo, expert_hi) (see the gate/up kernel)."""
-    pid_n, expert, rows, pairs = _grouped_tile(tl.program_id(0), num_m_blocks, H, block_expert_ptr,
+    """The down projection of the `cols` output columns from col_lo, column n from w's row n - col_lo (see the
+    gate/up kernel)."""
+    pid_n, expert, rows, pairs = _grouped_tile(tl.program_id(0), num_m_blocks, cols, block_expert_ptr,
                                                sorted_ids_ptr, BLOCK_M, BLOCK_N, GROUP_M)
-    if (expert < expert_lo) | (expert >= expert_hi):
+    if expert < 0:  # an unused block
         return
-    expert -= expert_lo
     row_ok = pairs < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
+    offs_n = col_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < col_lo + cols
+    w_rows = (offs_n - col_lo).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_k[None, :]
     if QUANT:
         q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, expert, stride_we, stride_se)
-        acc = _matmul_tile_q(a_ptrs, row_ok, q_base, s_base, z_base, m_base, cb_ptr, offs_n.to(tl.int64), n_ok, I,
+        acc = _matmul_tile_q(a_ptrs, row_ok, q_base, s_base, z_base, m_base, cb_ptr, w_rows, n_ok, I,
                              stride_wn, stride_sg, PRECISION, UPCAST, BLOCK_M, BLOCK_N, EVEN_K, NF4, HAS_ZERO,
                              HAS_MIN, GROUP, SCALE_ON_ACC, PACKED, SWAP_AB, inter_ptr.dtype.element_ty)
     else:
-        w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed - expert_lo, stride_we, stride_wn,
-                                           stride_sn, HAS_SHARED)
-        acc = _matmul_tile(a_ptrs, row_ok, w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None], n_ok, I,
+        w_base, stride_n = _expert_weights(w_ptr, shared_ptr, expert, num_routed, stride_we, stride_wn, stride_sn,
+                                           HAS_SHARED)
+        acc = _matmul_tile(a_ptrs, row_ok, w_base + w_rows[None, :] * stride_n + offs_k[:, None], n_ok, I,
                            PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     weight = tl.load(topk_w_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + offs_n[None, :],
@@ -107,19 +109,19 @@ def _down_grouped_kernel(
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, out_ptr, expert_lo, N, K,
+def _dequantize_kernel(w_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, out_ptr, row_lo, N, K,
                        stride_we, stride_wn, stride_se, stride_sg, stride_oe, stride_on,
                        NF4: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_N: tl.constexpr):
-    """out[e, n, k] = 4-bit experts[expert_lo + e] dequantized in fp32 and rounded once to out's dtype (as
-    `quantized.dequantize`), one [BLOCK_N, 128] tile per program: grid (experts, row blocks, K-tiles)."""
+    """out[e, n, k] = row row_lo + n of 4-bit expert e (n < N) dequantized in fp32 and rounded once to out's dtype
+    (as `quantized.dequantize`), one [BLOCK_N, 128] tile per program: grid (experts, row blocks, K-tiles)."""
     e = tl.program_id(0)
     tile = tl.program_id(2)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rows < N
-    q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, e + expert_lo, stride_we, stride_se)
-    w = _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, rows.to(tl.int64), n_ok, tile, stride_wn, stride_sg,
-                      NF4, HAS_ZERO, HAS_MIN, GROUP, False, False, False, out_ptr.dtype.element_ty)
+    q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, e, stride_we, stride_se)
+    w = _dequant_tile(q_base, s_base, z_base, m_base, cb_ptr, (row_lo + rows).to(tl.int64), n_ok, tile, stride_wn,
+                      stride_sg, NF4, HAS_ZERO, HAS_MIN, GROUP, False, False, False, out_ptr.dtype.element_ty)
     cols = tile * 128 + tl.arange(0, 128)
     tl.store(out_ptr + e.to(tl.int64) * stride_oe + rows.to(tl.int64)[:, None] * stride_on + cols[None, :], w,
              mask=n_ok[:, None] & (cols < K)[None, :])

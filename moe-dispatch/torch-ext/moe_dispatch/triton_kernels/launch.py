@@ -237,26 +237,32 @@ def _h2_flags(plan: dict, x_dtype: torch.dtype, k: int, per_split: int, fmt: dic
                 EMULATE=_interpreting(), num_warps=plan["num_warps"])
 
 
-def _dequantized_experts(w_gate_up: QuantizedExperts, w_down: QuantizedExperts, dtype: torch.dtype):
-    """(first expert, gate_up [E', 2I, H], down [E', H, I]) per chunk of experts, dequantized into `dtype` in two
-    buffers of at most DEQUANT_CHUNK_BYTES together (reused chunk after chunk; at least one expert)."""
-    num_experts, (n_gu, k_gu), (n_dn, k_dn) = w_down.num_experts, w_gate_up.shape, w_down.shape
-    per_expert = (n_gu * k_gu + n_dn * k_dn) * dtype.itemsize
-    chunk = max(1, min(num_experts, DEQUANT_CHUNK_BYTES // per_expert))
-    device = w_down.qweight.device
-    gu = torch.empty(chunk, n_gu, k_gu, dtype=dtype, device=device)
-    dn = torch.empty(chunk, n_dn, k_dn, dtype=dtype, device=device)
-    weights = [(q, out, *_weight_args(q)) for q, out in ((w_gate_up, gu), (w_down, dn))]
-    for lo in range(0, num_experts, chunk):
-        count = min(chunk, num_experts - lo)
-        for q, out, (s, z, m, cb), (stride_we, stride_wn, stride_se, stride_sg), fmt in weights:
-            _dequantize_kernel[(count, triton.cdiv(out.shape[1], DEQUANT_BLOCK_N), triton.cdiv(out.shape[2], 128))](
-                q.qweight, s, z, m, cb, out, lo, out.shape[1], out.shape[2],
-                stride_we, stride_wn, stride_se, stride_sg, out.stride(0), out.stride(1),
+def _dequantized_columns(w: QuantizedExperts, dtype: torch.dtype, cols: int, block_n: int, gate_up: bool):
+    """Chunks (col_lo, width, out) of the `cols` output columns of every expert of `w`, dequantized into `dtype`:
+    out [E, width, K] holds rows col_lo.. of each expert; with `gate_up` (w's rows are the gate rows, then the up
+    rows `cols` further) [E, 2 width, K], the chunk's gate rows then its up rows. A chunk holds a multiple of
+    block_n columns (the last one the rest) in at most DEQUANT_CHUNK_BYTES (at least block_n columns); one buffer
+    serves every chunk. Chunks of columns over all experts, not of experts: each grouped launch then covers exactly
+    its chunk's tiles (with chunks of experts every launch also ran every other expert's blocks, as programs that
+    return at once but still take an SM slot each)."""
+    halves = 2 if gate_up else 1
+    k = w.shape[1]
+    per_col = w.num_experts * halves * k * dtype.itemsize
+    width = min(cols, max(block_n, DEQUANT_CHUNK_BYTES // per_col // block_n * block_n))
+    buf = torch.empty(w.num_experts, halves * width, k, dtype=dtype, device=w.qweight.device)
+    (s, z, m, cb), (stride_we, stride_wn, stride_se, stride_sg), fmt = _weight_args(w)
+    for col_lo in range(0, cols, width):
+        count = min(width, cols - col_lo)
+        out = buf[:, :halves * count]
+        for half in range(halves):
+            dst = out[:, half * count:(half + 1) * count]
+            _dequantize_kernel[(w.num_experts, triton.cdiv(count, DEQUANT_BLOCK_N), triton.cdiv(k, 128))](
+                w.qweight, s, z, m, cb, dst, half * cols + col_lo, count, k,
+                stride_we, stride_wn, stride_se, stride_sg, dst.stride(0), dst.stride(1),
                 NF4=fmt["NF4"], HAS_ZERO=fmt["HAS_ZERO"], HAS_MIN=fmt["HAS_MIN"], GROUP=fmt["GROUP"],
                 BLOCK_N=DEQUANT_BLOCK_N, num_warps=4,
             )
-        yield lo, gu[:count], dn[:count]
+        yield col_lo, count, out
 
 
 def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
@@ -347,24 +353,27 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
             )
             inter = torch.empty(max_blocks * block_m, intermediate, dtype=hidden_states.dtype, device=device)
 
-            def grouped(w_gu, w_dn, expert_lo, expert_hi):
-                """Both grouped kernels over the blocks of experts [expert_lo, expert_hi) of w_gu / w_dn."""
+            def gate_up(w_gu, col_lo, cols, up_row):
+                """`_gate_up_grouped_kernel` over the intermediate columns [col_lo, col_lo + cols)."""
                 gu_ptrs, gu_strides, gu_format = _weight_args(w_gu)
-                dn_ptrs, dn_strides, dn_format = _weight_args(w_dn)
                 shared_gu = shared_gate_up if has_shared else _words(w_gu)
-                shared_dn = shared_down if has_shared else _words(w_dn)
-                _gate_up_grouped_kernel[(max_blocks * triton.cdiv(intermediate, up["BLOCK_N"]),)](
+                _gate_up_grouped_kernel[(max_blocks * triton.cdiv(cols, up["BLOCK_N"]),)](
                     hidden_states, _words(w_gu), shared_gu, *gu_ptrs, inter, sorted_ids, block_expert,
-                    num_pairs, H, intermediate, max_blocks, num_routed, expert_lo, expert_hi,
+                    num_pairs, H, intermediate, max_blocks, num_routed, col_lo, cols, up_row,
                     hidden_states.stride(0), *gu_strides[:2], shared_gu.stride(-2), *gu_strides[2:], inter.stride(0),
                     TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
                     GROUP_M=up["GROUP_M"], EVEN_K=H % up["BLOCK_K"] == 0, num_warps=up["num_warps"],
                     num_stages=up["num_stages"], **common, **gu_format,
                     **_dot_flags(up, gu_format, hidden_states.dtype),
                 )
-                _down_grouped_kernel[(max_blocks * triton.cdiv(H, down["BLOCK_N"]),)](
+
+            def down_proj(w_dn, col_lo, cols):
+                """`_down_grouped_kernel` over the output columns [col_lo, col_lo + cols)."""
+                dn_ptrs, dn_strides, dn_format = _weight_args(w_dn)
+                shared_dn = shared_down if has_shared else _words(w_dn)
+                _down_grouped_kernel[(max_blocks * triton.cdiv(cols, down["BLOCK_N"]),)](
                     inter, _words(w_dn), shared_dn, *dn_ptrs, pair_out, sorted_ids, block_expert, topk_weights,
-                    num_pairs, H, intermediate, max_blocks, num_routed, expert_lo, expert_hi,
+                    num_pairs, H, intermediate, max_blocks, num_routed, col_lo, cols,
                     inter.stride(0), *dn_strides[:2], shared_dn.stride(-2), *dn_strides[2:], pair_out.stride(0),
                     BLOCK_M=block_m, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], GROUP_M=down["GROUP_M"],
                     EVEN_K=intermediate % down["BLOCK_K"] == 0, num_warps=down["num_warps"],
@@ -373,10 +382,14 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                 )
 
             if dequant:
-                for lo, gu, dn in _dequantized_experts(w_gate_up, w_down, hidden_states.dtype):
-                    grouped(gu, dn, lo, lo + gu.shape[0])
+                dtype = hidden_states.dtype
+                for col_lo, cols, gu in _dequantized_columns(w_gate_up, dtype, intermediate, up["BLOCK_N"], True):
+                    gate_up(gu, col_lo, cols, cols)
+                for col_lo, cols, dn in _dequantized_columns(w_down, dtype, H, down["BLOCK_N"], False):
+                    down_proj(dn, col_lo, cols)
             else:
-                grouped(w_gate_up, w_down, 0, num_experts)
+                gate_up(w_gate_up, 0, intermediate, intermediate)
+                down_proj(w_down, 0, H)
         block_h = min(1024, triton.next_power_of_2(H))
         splits = pair_out.shape[0] if pair_out.dim() == 3 else 1
         pdl = gemv and _pdl(down, device)  # after a down GEMV that lets it
