@@ -328,14 +328,18 @@ def test_dequantize_first(k, monkeypatch, fmt_name, dtype, chunk_cols):
     chunks = []
     dequantized = tk.launch._dequantized_columns
 
-    def counted(w, dtype, cols, block_n, gate_up):
+    def counted(parts, dtype, side=None):
         spans = []
-        for col_lo, width, out in dequantized(w, dtype, cols, block_n, gate_up):
+        for index, col_lo, width, out in dequantized(parts, dtype, side):
+            _, cols, block_n, _ = parts[index]
             assert width % block_n == 0 or col_lo + width == cols
-            spans.append((col_lo, width))
-            yield col_lo, width, out
-        assert [lo for lo, _ in spans] == list(range(0, cols, spans[0][1]))  # the columns, each once, in order
-        chunks.append(len(spans))
+            spans.append((index, col_lo, width))
+            yield index, col_lo, width, out
+        assert [index for index, _, _ in spans] == sorted(index for index, _, _ in spans)  # gate/up, then down
+        for index, (_, cols, _, _) in enumerate(parts):
+            mine = [(lo, width) for i, lo, width in spans if i == index]
+            assert [lo for lo, _ in mine] == list(range(0, cols, mine[0][1]))  # the columns, each once, in order
+            chunks.append(len(mine))
 
     monkeypatch.setattr(tk.launch, "_dequantized_columns", counted)
     x = torch.randn(T, H).to(dtype)
@@ -360,13 +364,13 @@ def test_dequantize_kernel_matches_dequantize(k, monkeypatch):
         q_gate_up, q_down = quantized_experts(k, 3, H, I, fmt, zero_point, group_size, torch.float16)
         gate_up, down = (k.dequantize(q, torch.float16) for q in (q_gate_up, q_down))
         monkeypatch.setattr(launch, "DEQUANT_CHUNK_BYTES", 1 << 30)
-        ((lo, width, gu),) = list(launch._dequantized_columns(q_gate_up, torch.float16, I, 8, True))
+        ((_, lo, width, gu),) = list(launch._dequantized_columns([(q_gate_up, I, 8, True)], torch.float16))
         assert (lo, width) == (0, I) and torch.equal(gu, gate_up), name
-        ((lo, width, dn),) = list(launch._dequantized_columns(q_down, torch.float16, H, 8, False))
+        ((_, lo, width, dn),) = list(launch._dequantized_columns([(q_down, H, 8, False)], torch.float16))
         assert (lo, width) == (0, H) and torch.equal(dn, down), name
         monkeypatch.setattr(launch, "DEQUANT_CHUNK_BYTES", 8 * 3 * 2 * H * 2)  # 8 gate/up columns
         spans = []
-        for lo, width, gu in launch._dequantized_columns(q_gate_up, torch.float16, I, 8, True):
+        for _, lo, width, gu in launch._dequantized_columns([(q_gate_up, I, 8, True)], torch.float16):
             assert torch.equal(gu[:, :width], gate_up[:, lo:lo + width]), name
             assert torch.equal(gu[:, width:], gate_up[:, I + lo:I + lo + width]), name
             spans.append((lo, width))

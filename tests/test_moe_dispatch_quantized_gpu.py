@@ -156,6 +156,25 @@ def test_dequantize_first(k, monkeypatch, name, dtype):
     ref = experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32), weights,
                           ids)
     assert rel_error(out, ref) <= TOL
+    # the chunks dequantized on a second stream (DEQUANT_OVERLAP) or on one: the same arithmetic, so bit-equal, in
+    # repeated calls and in a CUDA graph's replays (a missing wait between the streams shows as a difference)
+    monkeypatch.setattr(tk.launch, "DEQUANT_OVERLAP", not tk.launch.DEQUANT_OVERLAP)
+    other = torch.full_like(out, float("nan"))
+    tk.experts(x, q_gate_up, q_down, weights, ids, other)
+    assert torch.equal(other, out)
+    monkeypatch.setattr(tk.launch, "DEQUANT_OVERLAP", True)
+    for _ in range(3):
+        other.fill_(float("nan"))
+        tk.experts(x, q_gate_up, q_down, weights, ids, other)
+        assert torch.equal(other, out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.experts(x, q_gate_up, q_down, weights, ids, other)
+    for _ in range(3):
+        other.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(other, out)
 
 
 def test_compile_and_cuda_graph(k):

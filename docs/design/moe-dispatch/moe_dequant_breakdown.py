@@ -6,6 +6,8 @@ Times by CUDA-graph replay, `experts` only (routing precomputed), int4 g128, bf1
   (4-bit words and scales in, bf16 out) as a share of the copy bandwidth measured in the same run;
 - "4-bit": `experts` on the 4-bit experts as shipped (chunks of DEQUANT_CHUNK_BYTES);
 - "4-bit, one chunk": the same with every expert in one chunk (the grouped kernels launched once);
+- "4-bit, no overlap" / "4-bit, overlap": the shipped path with the other setting of DEQUANT_OVERLAP (the next
+  chunk dequantized on a second stream while the grouped kernels run the last one, or everything on one stream);
 - "bf16": `experts` on the same experts dequantized to bf16 beforehand (the bf16 path: its tuned table).
 So 4-bit - bf16 - dequantize is what the chunking and the shared launches cost.
 
@@ -43,10 +45,9 @@ with loaded_kernel(project) as k:
         dequant_config = {"DEQUANT": True, **tk.get_config(T, *args, torch.bfloat16, x.device)}
 
         def dequantize(i):  # every chunk's dequantize launches, nothing else
-            for w, cols, plan, gate_up in ((layer.w_gate_up, model.intermediate, dequant_config["gate_up"], True),
-                                           (layer.w_down, model.hidden, dequant_config["down"], False)):
-                collections.deque(launch._dequantized_columns(w, torch.bfloat16, cols, plan["BLOCK_N"], gate_up),
-                                  maxlen=0)
+            parts = [(layer.w_gate_up, model.intermediate, dequant_config["gate_up"]["BLOCK_N"], True),
+                     (layer.w_down, model.hidden, dequant_config["down"]["BLOCK_N"], False)]
+            collections.deque(launch._dequantized_columns(parts, torch.bfloat16), maxlen=0)
 
         def four_bit(i):
             return tk.experts(x, layer.w_gate_up, layer.w_down, weights, ids, out, config=dequant_config)
@@ -61,6 +62,11 @@ with loaded_kernel(project) as k:
             times["4-bit, one chunk"] = time_graph(four_bit, 1, calls=5)
         finally:
             launch.DEQUANT_CHUNK_BYTES = chunk_bytes
+        launch.DEQUANT_OVERLAP = not launch.DEQUANT_OVERLAP
+        try:  # the chunks' dequantization on a second stream (overlapped with the grouped kernels), or not
+            times["4-bit, overlap" if launch.DEQUANT_OVERLAP else "4-bit, no overlap"] = time_graph(four_bit, 1, calls=5)
+        finally:
+            launch.DEQUANT_OVERLAP = not launch.DEQUANT_OVERLAP
         times["bf16"] = time_graph(bf16, 1, calls=5)
         moved = sum(w.nbytes() for w in (layer.w_gate_up, layer.w_down)) + gu16.nbytes + dn16.nbytes
         row = dict(model=name, tokens=T, copy_bandwidth=bw, dequantize_bytes=moved,

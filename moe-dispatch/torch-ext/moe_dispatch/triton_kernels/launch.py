@@ -12,8 +12,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quantized import QuantizedExperts
 from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_BLOCK_N, DEQUANT_CHUNK_BYTES, DEQUANT_MIN_PAIRS,
-                      ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, _for_dtype, _for_weights,
-                      default_config, get_config)
+                      DEQUANT_OVERLAP, ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, _for_dtype,
+                      _for_weights, default_config, get_config)
 from .experts import (_combine_kernel, _dequantize_kernel, _down_decode_kernel, _down_grouped_kernel,
                       _gate_up_decode_kernel, _gate_up_grouped_kernel)
 from .gemv import _down_gemv_kernel, _down_h2_kernel, _gate_up_gemv_kernel, _gate_up_h2_kernel
@@ -237,23 +237,37 @@ def _h2_flags(plan: dict, x_dtype: torch.dtype, k: int, per_split: int, fmt: dic
                 EMULATE=_interpreting(), num_warps=plan["num_warps"])
 
 
-def _dequantized_columns(w: QuantizedExperts, dtype: torch.dtype, cols: int, block_n: int, gate_up: bool):
-    """Chunks (col_lo, width, out) of the `cols` output columns of every expert of `w`, dequantized into `dtype`:
-    out [E, width, K] holds rows col_lo.. of each expert; with `gate_up` (w's rows are the gate rows, then the up
-    rows `cols` further) [E, 2 width, K], the chunk's gate rows then its up rows. A chunk holds a multiple of
-    block_n columns (the last one the rest) in at most DEQUANT_CHUNK_BYTES (at least block_n columns); one buffer
-    serves every chunk. Chunks of columns over all experts, not of experts: each grouped launch then covers exactly
-    its chunk's tiles (with chunks of experts every launch also ran every other expert's blocks, as programs that
-    return at once but still take an SM slot each)."""
-    halves = 2 if gate_up else 1
-    k = w.shape[1]
-    per_col = w.num_experts * halves * k * dtype.itemsize
-    width = min(cols, max(block_n, DEQUANT_CHUNK_BYTES // per_col // block_n * block_n))
-    buf = torch.empty(w.num_experts, halves * width, k, dtype=dtype, device=w.qweight.device)
-    (s, z, m, cb), (stride_we, stride_wn, stride_se, stride_sg), fmt = _weight_args(w)
-    for col_lo in range(0, cols, width):
-        count = min(width, cols - col_lo)
-        out = buf[:, :halves * count]
+def _dequantized_columns(parts: list, dtype: torch.dtype, side: torch.cuda.Stream | None = None):
+    """Chunks (part, col_lo, width, out) of the output columns of every expert of each part (w, cols, block_n,
+    gate_up), dequantized into `dtype`, part after part: out [E, width, K] holds rows col_lo.. of each expert of w;
+    with `gate_up` (w's rows are the gate rows, then the up rows `cols` further) [E, 2 width, K], the chunk's gate
+    rows then its up rows. A chunk holds a multiple of block_n columns (the last one the rest, at least block_n
+    columns). Chunks of columns over all experts, not of experts: each grouped launch then covers exactly its
+    chunk's tiles (with chunks of experts every launch also ran every other expert's blocks, as programs that return
+    at once but still take an SM slot each).
+
+    Without `side` one buffer of DEQUANT_CHUNK_BYTES serves every chunk, each dequantized on the caller's stream
+    when the caller asks for it. With `side` (a CUDA stream) two buffers of half that: chunk i + 1 is dequantized on
+    `side` while the caller's stream runs what it queued for chunk i (the grouped kernels: compute-bound, the
+    dequantization memory-bound), each chunk waited for on the caller's stream before it is handed out and each
+    buffer refilled only after the caller's work on its last chunk; one fork from and one join into the caller's
+    stream, so CUDA-graph capture takes it."""
+    budget = DEQUANT_CHUNK_BYTES // (2 if side is not None else 1)
+    chunks, numel = [], 0
+    for index, (w, cols, block_n, gate_up) in enumerate(parts):
+        per_col = w.num_experts * (2 if gate_up else 1) * w.shape[1]
+        width = min(cols, max(block_n, budget // (per_col * dtype.itemsize) // block_n * block_n))
+        numel = max(numel, per_col * width)
+        chunks += [(index, col_lo, min(width, cols - col_lo)) for col_lo in range(0, cols, width)]
+    device = parts[0][0].qweight.device
+    buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(1 if side is None else 2)]
+
+    def dequantize(i):
+        index, col_lo, count = chunks[i]
+        w, cols, _, gate_up = parts[index]
+        halves, k = (2 if gate_up else 1), w.shape[1]
+        out = buffers[i % len(buffers)][:w.num_experts * halves * count * k].view(w.num_experts, halves * count, k)
+        (s, z, m, cb), (stride_we, stride_wn, stride_se, stride_sg), fmt = _weight_args(w)
         for half in range(halves):
             dst = out[:, half * count:(half + 1) * count]
             _dequantize_kernel[(w.num_experts, triton.cdiv(count, DEQUANT_BLOCK_N), triton.cdiv(k, 128))](
@@ -262,7 +276,39 @@ def _dequantized_columns(w: QuantizedExperts, dtype: torch.dtype, cols: int, blo
                 NF4=fmt["NF4"], HAS_ZERO=fmt["HAS_ZERO"], HAS_MIN=fmt["HAS_MIN"], GROUP=fmt["GROUP"],
                 BLOCK_N=DEQUANT_BLOCK_N, num_warps=4,
             )
-        yield col_lo, count, out
+        return (index, col_lo, count, out)
+
+    if side is None:
+        for i in range(len(chunks)):
+            yield dequantize(i)
+        return
+    caller = torch.cuda.current_stream(device)
+    side.wait_stream(caller)  # the fork: the side stream starts after the caller's work so far
+    done, used = [], []  # per chunk: its dequantization, the caller's work on it (events)
+
+    def ahead(i):  # chunk i on the side stream, into the buffer chunk i - 2 used
+        with torch.cuda.stream(side):
+            if i >= 2:
+                side.wait_event(used[i - 2])
+            chunk = dequantize(i)
+            done.append(side.record_event())
+        return chunk
+
+    upcoming = ahead(0)
+    for i in range(len(chunks)):
+        chunk = upcoming
+        if i + 1 < len(chunks):
+            upcoming = ahead(i + 1)
+        caller.wait_event(done[i])
+        yield chunk
+        used.append(caller.record_event())
+    caller.wait_stream(side)  # the join
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream that dequantizes the next chunk of 4-bit experts (`_dequantized_columns`), one per device."""
+    return torch.cuda.Stream(device)
 
 
 def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
@@ -382,11 +428,13 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                 )
 
             if dequant:
-                dtype = hidden_states.dtype
-                for col_lo, cols, gu in _dequantized_columns(w_gate_up, dtype, intermediate, up["BLOCK_N"], True):
-                    gate_up(gu, col_lo, cols, cols)
-                for col_lo, cols, dn in _dequantized_columns(w_down, dtype, H, down["BLOCK_N"], False):
-                    down_proj(dn, col_lo, cols)
+                parts = [(w_gate_up, intermediate, up["BLOCK_N"], True), (w_down, H, down["BLOCK_N"], False)]
+                side = _side_stream(device) if DEQUANT_OVERLAP and device.type == "cuda" else None
+                for part, col_lo, cols, w16 in _dequantized_columns(parts, hidden_states.dtype, side):
+                    if part == 0:
+                        gate_up(w16, col_lo, cols, cols)
+                    else:
+                        down_proj(w16, col_lo, cols)
             else:
                 gate_up(w_gate_up, 0, intermediate, intermediate)
                 down_proj(w_down, 0, H)
