@@ -294,15 +294,17 @@ def _dequantized_columns(parts: list, dtype: torch.dtype, side: torch.cuda.Strea
             done.append(side.record_event())
         return chunk
 
-    upcoming = ahead(0)
-    for i in range(len(chunks)):
-        chunk = upcoming
-        if i + 1 < len(chunks):
-            upcoming = ahead(i + 1)
-        caller.wait_event(done[i])
-        yield chunk
-        used.append(caller.record_event())
-    caller.wait_stream(side)  # the join
+    try:
+        upcoming = ahead(0)
+        for i in range(len(chunks)):
+            chunk = upcoming
+            if i + 1 < len(chunks):
+                upcoming = ahead(i + 1)
+            caller.wait_event(done[i])
+            yield chunk
+            used.append(caller.record_event())
+    finally:  # the join, also when the caller stops early: the buffers are freed on the caller's stream
+        caller.wait_stream(side)
 
 
 @functools.cache
