@@ -29,6 +29,14 @@ def _grouped_tile(pid, num_m_blocks, N, block_expert_ptr, sorted_ids_ptr,
     return pid_n, expert, rows, pairs
 
 
+@triton.jit
+def _tile_columns(pid_n, col_lo, cols, BLOCK_N: tl.constexpr):
+    """(output columns, which are in [col_lo, col_lo + cols), their weight rows) of column block pid_n of a launch
+    over the `cols` columns from col_lo; the weight holds those columns from its row 0."""
+    offs_n = col_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_n, offs_n < col_lo + cols, (offs_n - col_lo).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _gate_up_grouped_kernel(
     x_ptr, w_ptr, shared_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr,
@@ -50,9 +58,7 @@ def _gate_up_grouped_kernel(
         return
     row_ok = pairs < num_pairs
     tokens = (pairs // TOP_K).to(tl.int64)
-    offs_n = col_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < col_lo + cols
-    w_rows = (offs_n - col_lo).to(tl.int64)
+    offs_n, n_ok, w_rows = _tile_columns(pid_n, col_lo, cols, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     if QUANT:
         q_base, s_base, z_base, m_base = _quant_bases(w_ptr, s_ptr, z_ptr, m_ptr, expert, stride_we, stride_se)
@@ -88,9 +94,7 @@ def _down_grouped_kernel(
     if expert < 0:  # an unused block
         return
     row_ok = pairs < num_pairs
-    offs_n = col_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < col_lo + cols
-    w_rows = (offs_n - col_lo).to(tl.int64)
+    offs_n, n_ok, w_rows = _tile_columns(pid_n, col_lo, cols, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_it + offs_k[None, :]
     if QUANT:
