@@ -64,7 +64,8 @@ with loaded_kernel(project) as k:
             launch.DEQUANT_CHUNK_BYTES = chunk_bytes
         launch.DEQUANT_OVERLAP = not launch.DEQUANT_OVERLAP
         try:  # the chunks' dequantization on a second stream (overlapped with the grouped kernels), or not
-            times["4-bit, overlap" if launch.DEQUANT_OVERLAP else "4-bit, no overlap"] = time_graph(four_bit, 1, calls=5)
+            label = "4-bit, overlap" if launch.DEQUANT_OVERLAP else "4-bit, no overlap"
+            times[label] = time_graph(four_bit, 1, calls=5)
         finally:
             launch.DEQUANT_OVERLAP = not launch.DEQUANT_OVERLAP
         times["bf16"] = time_graph(bf16, 1, calls=5)

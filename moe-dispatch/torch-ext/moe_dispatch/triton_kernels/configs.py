@@ -28,7 +28,8 @@ CHUNK_TOKENS = 64  # tokens per routing chunk; the sort places one chunk per pro
 DEQUANT_MIN_PAIRS = 512
 DEQUANT_CHUNK_BYTES = 1 << 30
 DEQUANT_BLOCK_N = 64  # weight rows per program of the dequantize kernel
-# the next chunk dequantized on a second stream while the grouped kernels run the last one (`launch._dequantized_columns`)
+# the next chunk dequantized on a second stream while the grouped kernels run the last one
+# (`launch._dequantized_columns`)
 DEQUANT_OVERLAP = True
 CONFIG_DIR = Path(__file__).parent.parent / "configs"
 logger = logging.getLogger(__name__)
