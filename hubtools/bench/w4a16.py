@@ -719,7 +719,8 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     each M measured (its bucket), where it beats the shipped config timed beside it by more than `min_gain`
     (smaller differences are run-to-run noise); returns one line per change. Shapes outside `shapes` (the
     untuned ones that check the heuristic) are never written."""
-    if (result.get("fmt", "int4"), result.get("group", GROUP), result.get("zero_point", False)) != ("int4", GROUP, False):
+    measured = (result.get("fmt", "int4"), result.get("group", GROUP), result.get("zero_point", False))
+    if measured != ("int4", GROUP, False):
         raise ValueError(f"the table is tuned on symmetric int4 g{GROUP}; this result is {result.get('fmt')} "
                          f"g{result.get('group')}, zero points {result.get('zero_point', False)}")
     labels = {label: (k, n) for label, k, n in shapes}

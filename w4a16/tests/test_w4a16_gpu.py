@@ -223,7 +223,8 @@ def test_half2_gemv_any_uint8_zero_point(k, group_size, tiles):
     qw = k.formats.from_codes(codes, scales, zeros, group_size=group_size, fmt="int4", dtype=torch.float16)
     x = torch.randn(2, kk, device="cuda", dtype=torch.float16)
     size = kk // groups
-    dense = (codes.double() - zeros.double().repeat_interleave(size, 0).t()) * scales.double().repeat_interleave(size, 0).t()
+    dense = ((codes.double() - zeros.double().repeat_interleave(size, 0).t())
+             * scales.double().repeat_interleave(size, 0).t())
     out = torch.full((2, n), float("nan"), device="cuda", dtype=torch.float16)
     config = {"kernel": "gemv", "tiles": 8, "num_warps": 4, "half2": True, **tiles}
     k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, None, n, kk, group_size, config, out=out)
