@@ -4,9 +4,10 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
-from hubtools.bench.w4a16 import GOAL_HEURISTIC_VS_TUNED, _matmul_with, goals, stand_in_table
+from hubtools.bench.w4a16 import GOAL_HEURISTIC_VS_TUNED, _matmul_with, goals, merge_compare, stand_in_table
 from hubtools.workspace import Workspace
 
 
@@ -53,3 +54,16 @@ def test_goals_compare_the_heuristic_with_the_table():
     assert len(found) == 1 and found[0]["case"] == "M=64 fp16, 2 shapes"
     assert math.isclose(found[0]["value"], math.sqrt(0.8)) and found[0]["target"] == GOAL_HEURISTIC_VS_TUNED
     assert not found[0]["met"]
+
+
+def test_merge_compare_takes_symmetric_results_only():
+    """The tables are tuned on symmetric int4 g128: a `--compare-decode` result measured with zero points is
+    refused; a symmetric one puts a candidate that beats the shipped config by more than the margin in the table."""
+    env = {"date": "d", "torch": "t", "triton": "tr", "cuda": "c", "command": "cmd"}
+    rows = [{"shape": "L3-8B qkv", "m": 1, "impl": "shipped", "us": 10.0, "config": {"kernel": "gemv"}},
+            {"shape": "L3-8B qkv", "m": 1, "impl": "candidate", "us": 8.0, "config": {"kernel": "dot"}}]
+    with pytest.raises(ValueError, match="zero points True"):
+        merge_compare({}, {"env": env, "fmt": "int4", "group": 128, "zero_point": True, "rows": rows})
+    table = {}
+    changes = merge_compare(table, {"env": env, "fmt": "int4", "group": 128, "zero_point": False, "rows": rows})
+    assert len(changes) == 1 and table["shapes"]["6144x4096"]["1"] == {"kernel": "dot"}

@@ -634,8 +634,9 @@ def _nf4_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[dict]:
 
 def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1,), candidates=_decode_candidates,
                    out_path=None, log: Callable[[str], None] = print, fmt: str = "int4", group: int = GROUP,
-                   variants: list[dict] | None = None) -> dict:
-    """`fmt` (int4 with zero points, or NF4) with groups of `group` and fp16 activations at each M in `tokens`:
+                   variants: list[dict] | None = None, zero_point: bool = False) -> dict:
+    """`fmt` (int4, symmetric or with integer `zero_point`s, or NF4) with groups of `group` and fp16 activations
+    at each M in `tokens`:
     the shipped config (`tuning.select`), every candidate launch and
     cuBLAS fp16 in one process, each verified against the float64-exact fp32 reference and graph-timed
     (rotated weights), with registers / shared memory of each compiled variant. Written to `out_path` after
@@ -644,11 +645,12 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
     device = torch.device("cuda")
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     warm_clocks()
-    result = {"env": environment(), "copy_bandwidth": measure_copy_bandwidth(), "fmt": fmt, "group": group, "rows": []}
+    result = {"env": environment(), "copy_bandwidth": measure_copy_bandwidth(), "fmt": fmt, "group": group,
+              "zero_point": zero_point, "rows": []}
     jit_fns = {"gemv_half2": tk.gemv._gemv_h2_kernel, "dot": tk.dot._dot_kernel, "gemv": tk.gemv._gemv_kernel}
     resources: dict[str, dict] = {}
     for label, k, n in shapes:
-        shape = _Shape(kernel, k, n, fmt=fmt, group=group)
+        shape = _Shape(kernel, k, n, fmt=fmt, group=group, zero_point=zero_point)
         rows_padded, tiles = shape.qw.qweight.shape[0], shape.qw.qweight.shape[1] // 16
         dense16 = shape.dense_copies(torch.float16)
         for m in tokens:
@@ -717,8 +719,10 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     each M measured (its bucket), where it beats the shipped config timed beside it by more than `min_gain`
     (smaller differences are run-to-run noise); returns one line per change. Shapes outside `shapes` (the
     untuned ones that check the heuristic) are never written."""
-    if (result.get("fmt", "int4"), result.get("group", GROUP)) != ("int4", GROUP):
-        raise ValueError(f"the table is tuned on int4 g{GROUP}; this result is {result.get('fmt')} g{result.get('group')}")
+    measured = (result.get("fmt", "int4"), result.get("group", GROUP), result.get("zero_point", False))
+    if measured != ("int4", GROUP, False):
+        raise ValueError(f"the table is tuned on symmetric int4 g{GROUP}; this result is {result.get('fmt')} "
+                         f"g{result.get('group')}, zero points {result.get('zero_point', False)}")
     labels = {label: (k, n) for label, k, n in shapes}
     best: dict[tuple, dict] = {}
     shipped: dict[tuple, dict] = {}
@@ -889,6 +893,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(see stand_in_table)")
     parser.add_argument("--fmt", choices=("int4", "nf4"), default="int4", help="--compare-decode's weight format")
     parser.add_argument("--group", type=int, default=GROUP, help="--compare-decode's group size")
+    parser.add_argument("--zero-point", action="store_true", help="--compare-decode's int4 with integer zero points "
+                        "(default: symmetric, as the results bench)")
     parser.add_argument("--variants", help="--compare-decode times, instead of its candidates, the shipped config "
                         "with each of these overrides (a JSON list of dicts); --dequant-bandwidth times the "
                         "dequantize kernel with each as its keyword arguments")
@@ -905,6 +911,8 @@ def main(argv: list[str] | None = None) -> int:
     known = {s[0] for s in SHAPES + QWEN_SHAPES + OTHER_SHAPES}
     if args.shapes is not None and not set(args.shapes) <= known:
         parser.error(f"unknown --shapes {sorted(set(args.shapes) - known)}; known: {sorted(known)}")
+    if args.zero_point and args.fmt != "int4":
+        parser.error("--zero-point applies to --fmt int4 only")
     project = Workspace.load().kernel("w4a16")
     if args.load_speed:
         import tempfile
@@ -929,7 +937,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.configs:
                 stand_in_table(module, torch.cuda.get_device_name(), None if args.configs == "none" else args.configs)
             compared = compare_decode(module, shapes=chosen, tokens=tuple(args.tokens), out_path=args.out,
-                                      fmt=args.fmt, group=args.group,
+                                      fmt=args.fmt, group=args.group, zero_point=args.zero_point,
                                       variants=None if args.variants is None else json.loads(args.variants))
         print(f"wrote {args.out}")
         if args.table:

@@ -431,6 +431,24 @@ def test_half2_gemv_large_activations(k, zero_point):
     assert _rel_err(out, _reference(k, x, qw)) < TOL[torch.float16]
 
 
+@pytest.mark.parametrize("group_size", [128, -1])
+def test_half2_gemv_any_uint8_zero_point(k, group_size):
+    """The packed GEMV makes its zero-point pairs from the integer zero points by integer arithmetic (exact for
+    every uint8, not only the 0-16 of real checkpoints): zero points over 0-255, against float64 from the codes."""
+    n, kk = N, 384
+    codes = torch.randint(0, 16, (n, kk), generator=_gen(40), dtype=torch.uint8)
+    groups = 1 if group_size == -1 else kk // group_size
+    zeros = torch.randint(0, 256, (groups, n), generator=_gen(41), dtype=torch.uint8)
+    scales = (torch.rand(groups, n, generator=_gen(42)) * 1e-3 + 1e-4).half()
+    qw = k.formats.from_codes(codes, scales, zeros, group_size=group_size, fmt="int4", dtype=torch.float16)
+    x = torch.randn(1, kk, generator=_gen(43)).half()
+    dense = (codes.double() - zeros.double().repeat_interleave(kk // groups, 0).t()) \
+        * scales.double().repeat_interleave(kk // groups, 0).t()
+    config = {"kernel": "gemv", "block_n": 8, "tiles": 4, "split_k": 1, "half2": True}
+    out = k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, None, n, kk, group_size, config)
+    assert _rel_err(out, x.double() @ dense.t()) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("m", [1, 5, 40, 600])
 def test_public_matmul_dispatches_by_m(k, m):
     """Through the op: M=1 GEMV, small M the tl.dot path, large M dequantize + matmul (interpreter)."""

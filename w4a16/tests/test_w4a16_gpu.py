@@ -207,6 +207,31 @@ def test_half2_gemv_vs_float64(k, zero_point, group_size, tiles, dtype, x_scale)
     _check_launch(k, x, qw, bias, config)
 
 
+@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("tiles", [{"block_n": 8, "split_k": 1}, {"block_n": 16, "split_k": 3, "num_stages": 3,
+                                                                  "x_bcast": True, "tma": True, "num_warps": 2}],
+                         ids=["plain", "bcast-tma-2warps-split"])
+def test_half2_gemv_any_uint8_zero_point(k, group_size, tiles):
+    """The packed GEMV's zero-point pairs by integer arithmetic and one HADD2 (PTX) on zero points over all of
+    uint8 (real checkpoints have 0-16), against float64 on a poisoned output."""
+    n, kk = 3000, 5120
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    groups = 1 if group_size == -1 else kk // group_size
+    codes = torch.randint(0, 16, (n, kk), device="cuda", dtype=torch.uint8, generator=gen)
+    zeros = torch.randint(0, 256, (groups, n), device="cuda", dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(groups, n, device="cuda", generator=gen) * 1e-3 + 1e-4).half()
+    qw = k.formats.from_codes(codes, scales, zeros, group_size=group_size, fmt="int4", dtype=torch.float16)
+    x = torch.randn(2, kk, device="cuda", dtype=torch.float16)
+    size = kk // groups
+    dense = ((codes.double() - zeros.double().repeat_interleave(size, 0).t())
+             * scales.double().repeat_interleave(size, 0).t())
+    out = torch.full((2, n), float("nan"), device="cuda", dtype=torch.float16)
+    config = {"kernel": "gemv", "tiles": 8, "num_warps": 4, "half2": True, **tiles}
+    k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, None, n, kk, group_size, config, out=out)
+    assert not out.isnan().any()
+    assert _rel_err(out, x.double() @ dense.t()) < TOL[torch.float16]
+
+
 PACKED_FORMATS = [(False, 128), (True, 128), (False, -1), (True, -1), (True, 256)]  # (zero_point, group_size)
 
 

@@ -254,12 +254,21 @@ def _h2_low(v):
     return (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+_ZLO_BASE = tl.constexpr(-738143232)  # 0xD400D400: the fp16 pair -64, plus z in each half -(64 + z/16)
+# -(4 + z/16) = -(64 + z/16) + 60 as fp16 pairs: one HADD2, exact (z/16 has 4 fractional bits, the sum < 2^6)
+_ZHI_FROM_ZLO_ASM = tl.constexpr("{\n.reg .b32 c;\nmov.b32 c, 0x53805380;\nadd.rn.f16x2 $0, $1, c;\n}")
+
+
 @triton.jit
-def _h2_zero_pairs(zero):
-    """fp16 pairs -(64 + z/16) and -(4 + z/16) of a float zero point z (exact in fp16 for 0 <= z <= 15)."""
-    zlo = (-(64.0 + zero * 0.0625)).to(tl.float16)
-    zhi = (-(4.0 + zero * 0.0625)).to(tl.float16)
-    return _h2_pack(zlo, zlo), _h2_pack(zhi, zhi)
+def _h2_zero_pairs(zero, EMULATE: tl.constexpr):
+    """fp16 pairs -(64 + z/16) and -(4 + z/16) of integer zero points z (int32, 0-255), by integer arithmetic (one
+    IMAD: -64's ulp is 1/16) and one HADD2; the fp32 conversion took ~9 instructions per element, one element per
+    word in the packed GEMV's layout (w4a16's `gemv._h2_zero_pairs`, E35)."""
+    zlo = zero * 0x00010001 + _ZLO_BASE
+    if EMULATE:
+        zhi = (-(4.0 + zero.to(tl.float32) * 0.0625)).to(tl.float16)
+        return zlo, _h2_pack(zhi, zhi)
+    return zlo, tl.inline_asm_elementwise(_ZHI_FROM_ZLO_ASM, "=r,r", [zlo], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -316,7 +325,8 @@ def _x_pair(x_row, k0, K, scale, J: tl.constexpr, X_SCALED: tl.constexpr, MASK: 
 
 
 @triton.jit
-def _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr):
+def _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
+                    EMULATE: tl.constexpr):
     """[BLOCK_N, TILES] fp32 scales of the word tile and its zero-point pairs (symmetric: the constant pairs);
     per channel (GROUP -1) scale 1 here: the caller scales after the K loop."""
     if GROUP == -1:
@@ -326,8 +336,9 @@ def _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO: tl.cons
         offs = (tile // (GROUP // 128))[None, :].to(tl.int64) * stride_sg + rows[:, None]
         s = tl.load(s_base + offs, mask=ok, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            zero = tl.load(z_base + offs, mask=ok, other=0).to(tl.float32)
-            zlo, zhi = _h2_zero_pairs(zero[:, :, None] + tl.zeros([ok.shape[0], ok.shape[1], 16], dtype=tl.float32))
+            zero = tl.load(z_base + offs, mask=ok, other=0).to(tl.int32)
+            zlo, zhi = _h2_zero_pairs(zero[:, :, None] + tl.zeros([ok.shape[0], ok.shape[1], 16], dtype=tl.int32),
+                                      EMULATE)
         else:
             zlo, zhi = 0, 0
     return s, zlo, zhi
@@ -339,7 +350,7 @@ def _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, x_unscale, 
     """A [BLOCK_N, TILES, 16] word tile's fp32 terms: `_h2_word_dot` times the tile's group scales (times the
     inverse of x's tile scale, `x_unscale`, when X_SCALED). zlo / zhi: the symmetric or per-row (per channel) zero pairs; group zero points
     replace them with the tile's own."""
-    s, z_lo, z_hi = _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO, GROUP)
+    s, z_lo, z_hi = _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO, GROUP, EMULATE)
     if GROUP != -1 and HAS_ZERO:
         zlo, zhi = z_lo, z_hi
     if X_SCALED:
@@ -369,10 +380,12 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
     zhi = tl.full([BLOCK_N, TILES, _WORDS], _ZHI_SYM, tl.int32)
     zlo_b, zhi_b = zlo, zhi
     if GROUP == -1 and HAS_ZERO:  # one zero point per row, for all of K
-        zlo, zhi = _h2_zero_pairs(tl.load(z_base + rows, mask=n_ok, other=0).to(tl.float32)[:, None, None] + acc)
+        zero_words = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.int32)
+        zlo, zhi = _h2_zero_pairs(tl.load(z_base + rows, mask=n_ok, other=0).to(tl.int32)[:, None, None] + zero_words,
+                                  EMULATE)
         if TWO:
-            zlo_b, zhi_b = _h2_zero_pairs(tl.load(z_base + rows_b, mask=n_ok, other=0).to(tl.float32)[:, None, None]
-                                          + acc)
+            zlo_b, zhi_b = _h2_zero_pairs(tl.load(z_base + rows_b, mask=n_ok, other=0).to(tl.int32)[:, None, None]
+                                          + zero_words, EMULATE)
     if not W_DESC:
         w_ptrs = w_src + rows[:, None, None] * stride_qn + col[None, None, :]
         w_ptrs_b = w_src + rows_b[:, None, None] * stride_qn + col[None, None, :]

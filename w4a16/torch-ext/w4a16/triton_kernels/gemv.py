@@ -173,6 +173,7 @@ _H2_ASM = tl.constexpr(
       "mov.b32 {lo, hi}, p;\nadd.rn.f16 lo, lo, hi;\ncvt.f32.f16 $0, lo;\n}")
 _ZLO_SYM = tl.constexpr(_i32(0xD408D408))  # fp16 pair -(64 + 8/16): the symmetric zero point 8
 _ZHI_SYM = tl.constexpr(_i32(0xC480C480))  # fp16 pair -(4 + 8/16)
+_ZLO_BASE = tl.constexpr(_i32(0xD400D400))  # fp16 pair -64: plus z in each half, -(64 + z/16)
 # `_H2_ASM` with the dot split by scale groups of 32 columns (planes 0-1, 2-3, 4-5, 6-7 of the tile): the products
 # of planes (0 | 4) and (1 | 5) summed in one packed pair give group 0 (low half) and group 2 (high half), those of
 # (2 | 6) and (3 | 7) groups 1 and 3; each half converted apart. Per word: 4 LOP3 + 1 SHF + 4 HFMA2 (dequant) +
@@ -199,12 +200,21 @@ def _h2_low(v):
     return (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+# -(4 + z/16) = -(64 + z/16) + 60 as fp16 pairs: one HADD2, exact (z/16 has 4 fractional bits, the sum < 2^6)
+_ZHI_FROM_ZLO_ASM = tl.constexpr("{\n.reg .b32 c;\nmov.b32 c, 0x53805380;\nadd.rn.f16x2 $0, $1, c;\n}")
+
+
 @triton.jit
-def _h2_zero_pairs(zero):
-    """fp16 pairs -(64 + z/16) and -(4 + z/16) for a float zero point z (exact in fp16 for 0 <= z <= 16)."""
-    zlo = (-(64.0 + zero * 0.0625)).to(tl.float16)
-    zhi = (-(4.0 + zero * 0.0625)).to(tl.float16)
-    return _h2_pack(zlo, zlo), _h2_pack(zhi, zhi)
+def _h2_zero_pairs(zero, EMULATE: tl.constexpr):
+    """fp16 pairs -(64 + z/16) and -(4 + z/16) for integer zero points z (int32, 0-255), by integer arithmetic:
+    0xD400 is -64, whose ulp is 1/16, so adding z to both halves' bits gives the first pair (one IMAD), and one
+    HADD2 the second. Converting z in fp32 took ~9 instructions per element, and the packed GEMV holds one element
+    per word (its layout gives a thread every row of its word positions): a quarter of the int4 zero-point loop."""
+    zlo = zero * 0x00010001 + _ZLO_BASE
+    if EMULATE:
+        zhi = (-(4.0 + zero.to(tl.float32) * 0.0625)).to(tl.float16)
+        return zlo, _h2_pack(zhi, zhi)
+    return zlo, tl.inline_asm_elementwise(_ZHI_FROM_ZLO_ASM, "=r,r", [zlo], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -449,7 +459,8 @@ def _gemv_h2_kernel(
     if PER_CHANNEL:
         scale = tl.load(s_ptr + rows).to(tl.float32)
         if HAS_ZERO:
-            zlo, zhi = _h2_zero_pairs(tl.load(z_ptr + rows).to(tl.float32)[:, None, None] + acc)
+            zlo, zhi = _h2_zero_pairs(tl.load(z_ptr + rows).to(tl.int32)[:, None, None]
+                                      + tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.int32), EMULATE)
     tables = 0
     lane_table = 0
     if NF4 and not EMULATE:
@@ -498,8 +509,8 @@ def _gemv_h2_kernel(
         if not PER_CHANNEL:
             param_offs = ((tile * 128) // group_size)[None, :].to(tl.int64) * stride_sg + rows[:, None]
             if HAS_ZERO:
-                zero = tl.load(z_ptr + param_offs, mask=live[None, :], other=0).to(tl.float32)[:, :, None]
-                zlo, zhi = _h2_zero_pairs(zero + tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32))
+                zero = tl.load(z_ptr + param_offs, mask=live[None, :], other=0).to(tl.int32)[:, :, None]
+                zlo, zhi = _h2_zero_pairs(zero + tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.int32), EMULATE)
         if PER_CHANNEL:
             s = tl.full([BLOCK_N, TILES], 1.0, tl.float32)
         else:
