@@ -634,11 +634,11 @@ def _nf4_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[dict]:
 
 def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1,), candidates=_decode_candidates,
                    out_path=None, log: Callable[[str], None] = print, fmt: str = "int4", group: int = GROUP,
-                   variants: list[dict] | None = None, zero_point: bool = False) -> dict:
-    """`fmt` (int4, symmetric or with integer `zero_point`s, or NF4) with groups of `group` and fp16 activations
-    at each M in `tokens`:
-    the shipped config (`tuning.select`), every candidate launch and
-    cuBLAS fp16 in one process, each verified against the float64-exact fp32 reference and graph-timed
+                   variants: list[dict] | None = None, zero_point: bool = False,
+                   x_dtype: torch.dtype = torch.float16) -> dict:
+    """`fmt` (int4, symmetric or with integer `zero_point`s, or NF4) with groups of `group` and activations of
+    `x_dtype` at each M in `tokens`: the shipped config (`tuning.select`), every candidate launch and cuBLAS in
+    `x_dtype` in one process, each verified against the float64-exact fp32 reference and graph-timed
     (rotated weights), with registers / shared memory of each compiled variant. Written to `out_path` after
     every shape, so a run cut short keeps what it measured."""
     tk, tuning = kernel.triton_kernels, kernel.tuning
@@ -646,15 +646,15 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     warm_clocks()
     result = {"env": environment(), "copy_bandwidth": measure_copy_bandwidth(), "fmt": fmt, "group": group,
-              "zero_point": zero_point, "rows": []}
+              "zero_point": zero_point, "x_dtype": str(x_dtype).removeprefix("torch."), "rows": []}
     jit_fns = {"gemv_half2": tk.gemv._gemv_h2_kernel, "dot": tk.dot._dot_kernel, "gemv": tk.gemv._gemv_kernel}
     resources: dict[str, dict] = {}
     for label, k, n in shapes:
         shape = _Shape(kernel, k, n, fmt=fmt, group=group, zero_point=zero_point)
         rows_padded, tiles = shape.qw.qweight.shape[0], shape.qw.qweight.shape[1] // 16
-        dense16 = shape.dense_copies(torch.float16)
+        dense16 = shape.dense_copies(x_dtype)
         for m in tokens:
-            xs = _inputs(m, k, torch.float16, max(shape.copies, len(dense16)))
+            xs = _inputs(m, k, x_dtype, max(shape.copies, len(dense16)))
             ref = shape.reference(xs[0])
             nbytes = shape.our_bytes(m)
             plan = {"replays": 5, **_timing_plan(m)}
@@ -667,7 +667,7 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
                 before = _snapshot(jit_fns)
                 row = {"shape": label, "N": n, "K": k, "m": m, "impl": name, "config": cfg}
                 try:
-                    t, err = _time_verified(call, shape.copies, xs, lambda _: ref, torch.float16, plan)
+                    t, err = _time_verified(call, shape.copies, xs, lambda _: ref, x_dtype, plan)
                 except Exception as exc:  # a candidate that fails to compile or verify is recorded, not fatal
                     log(f"  {label} M={m} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                     return dict(row, error=f"{type(exc).__name__}: {exc}"[:300])
@@ -686,9 +686,9 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
                 launches = [_override(shipped_config, v) for v in variants]
             trials = [evaluate("candidate", c) for c in launches]
             t_cublas, cublas_err = _time_verified(lambda i: F.linear(xs[i], dense16[i % len(dense16)]), len(dense16),
-                                                  xs, lambda _: ref, torch.float16, plan)
-            cublas = {"shape": label, "N": n, "K": k, "m": m, "impl": "cublas-fp16", "us": t_cublas * 1e6,
-                      "rel_err": cublas_err}
+                                                  xs, lambda _: ref, x_dtype, plan)
+            cublas = {"shape": label, "N": n, "K": k, "m": m, "impl": f"cublas-{result['x_dtype']}",
+                      "us": t_cublas * 1e6, "rel_err": cublas_err}
             result["rows"] += [shipped, *trials, cublas]
             ok = [t for t in trials if "us" in t]
             best = min(ok, key=lambda t: t["us"]) if ok else None
@@ -719,10 +719,12 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     each M measured (its bucket), where it beats the shipped config timed beside it by more than `min_gain`
     (smaller differences are run-to-run noise); returns one line per change. Shapes outside `shapes` (the
     untuned ones that check the heuristic) are never written."""
-    measured = (result.get("fmt", "int4"), result.get("group", GROUP), result.get("zero_point", False))
-    if measured != ("int4", GROUP, False):
-        raise ValueError(f"the table is tuned on symmetric int4 g{GROUP}; this result is {result.get('fmt')} "
-                         f"g{result.get('group')}, zero points {result.get('zero_point', False)}")
+    measured = (result.get("fmt", "int4"), result.get("group", GROUP), result.get("zero_point", False),
+                result.get("x_dtype", "float16"))
+    if measured != ("int4", GROUP, False, "float16"):
+        raise ValueError(f"the table is tuned on symmetric int4 g{GROUP} with fp16 x; this result is "
+                         f"{result.get('fmt')} g{result.get('group')}, zero points {result.get('zero_point', False)}, "
+                         f"x {result.get('x_dtype', 'float16')}")
     labels = {label: (k, n) for label, k, n in shapes}
     best: dict[tuple, dict] = {}
     shipped: dict[tuple, dict] = {}
@@ -893,6 +895,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(see stand_in_table)")
     parser.add_argument("--fmt", choices=("int4", "nf4"), default="int4", help="--compare-decode's weight format")
     parser.add_argument("--group", type=int, default=GROUP, help="--compare-decode's group size")
+    parser.add_argument("--bf16", action="store_true", help="--compare-decode with bf16 activations (and cuBLAS "
+                        "bf16); default fp16")
     parser.add_argument("--zero-point", action="store_true", help="--compare-decode's int4 with integer zero points "
                         "(default: symmetric, as the results bench)")
     parser.add_argument("--variants", help="--compare-decode times, instead of its candidates, the shipped config "
@@ -938,6 +942,7 @@ def main(argv: list[str] | None = None) -> int:
                 stand_in_table(module, torch.cuda.get_device_name(), None if args.configs == "none" else args.configs)
             compared = compare_decode(module, shapes=chosen, tokens=tuple(args.tokens), out_path=args.out,
                                       fmt=args.fmt, group=args.group, zero_point=args.zero_point,
+                                      x_dtype=torch.bfloat16 if args.bf16 else torch.float16,
                                       variants=None if args.variants is None else json.loads(args.variants))
         print(f"wrote {args.out}")
         if args.table:
