@@ -50,6 +50,10 @@ GOALS = {1: 3.0, 4: 2.5, 16: 2.5, 64: 1.5, 256: 1.0, 1024: 0.95, 4096: 0.95}
 GOAL_NF4_VS_INT4 = 0.9
 GOAL_PCT_COPY_70B = 80.0
 GOAL_HEURISTIC_VS_TUNED = 0.9  # untuned shapes (the heuristic's launch) at least 0.9x the tuned launch's speed
+FORMAT_NOTE = (f"`ours`: int4 symmetric (zero point 8) in scale groups of {GROUP}, fp16 scales; `ours-nf4`: NF4 in "
+               f"groups of {NF4_GROUP}; `ours-g32-min`: int4 in groups of 32 with float minima (GGUF's layout). "
+               "Integer zero points (AWQ, asymmetric GPTQ) are timed by `python -m hubtools.bench.w4a16 "
+               "--compare-decode --zero-point`.")
 HEURISTIC_NOTE = ("`ours-heuristic`: the same weights launched with `tuning.heuristic`'s config (with this card's "
                   "table thresholds) instead of the table's entry, i.e. what a shape without a tuned entry gets; "
                   "goal: tuned time / heuristic time >= 0.9.")
@@ -125,7 +129,7 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
     warm_clocks()
     copy_bw = measure_copy_bandwidth()
     flops_peak = measure_matmul_flops()
-    rows, notes = [], [HEURISTIC_NOTE]
+    rows, notes = [], [FORMAT_NOTE, HEURISTIC_NOTE]
     device_name, sm_count = kernel.tuning.device_info(torch.device("cuda", torch.cuda.current_device()))
     thresholds = kernel.tuning.table(device_name).get("heuristic")
     for label, k, n in shapes:
