@@ -58,7 +58,8 @@ def test_goals_compare_the_heuristic_with_the_table():
 
 def test_merge_compare_takes_symmetric_results_only():
     """The tables are tuned on symmetric int4 g128 with fp16 x: a `--compare-decode` result measured with zero
-    points or bf16 x is refused; a symmetric one puts a candidate that beats the shipped config by more than the margin in the table."""
+    points or bf16 x is refused; a symmetric one puts a candidate that beats the shipped config by more than the
+    margin in the table."""
     env = {"date": "d", "torch": "t", "triton": "tr", "cuda": "c", "command": "cmd"}
     rows = [{"shape": "L3-8B qkv", "m": 1, "impl": "shipped", "us": 10.0, "config": {"kernel": "gemv"}},
             {"shape": "L3-8B qkv", "m": 1, "impl": "candidate", "us": 8.0, "config": {"kernel": "dot"}}]
