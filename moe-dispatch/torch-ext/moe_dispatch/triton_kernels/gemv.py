@@ -262,8 +262,7 @@ _ZHI_FROM_ZLO_ASM = tl.constexpr("{\n.reg .b32 c;\nmov.b32 c, 0x53805380;\nadd.r
 @triton.jit
 def _h2_zero_pairs(zero, EMULATE: tl.constexpr):
     """fp16 pairs -(64 + z/16) and -(4 + z/16) of integer zero points z (int32, 0-255), by integer arithmetic (one
-    IMAD: -64's ulp is 1/16) and one HADD2; the fp32 conversion took ~9 instructions per element, one element per
-    word in the packed GEMV's layout (w4a16's `gemv._h2_zero_pairs`, E35)."""
+    IMAD: -64's ulp is 1/16) and one HADD2: cheap because the packed GEMV's layout runs this per word."""
     zlo = zero * 0x00010001 + _ZLO_BASE
     if EMULATE:
         zhi = (-(4.0 + zero.to(tl.float32) * 0.0625)).to(tl.float16)
@@ -337,8 +336,7 @@ def _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO: tl.cons
         s = tl.load(s_base + offs, mask=ok, other=0.0).to(tl.float32)
         if HAS_ZERO:
             zero = tl.load(z_base + offs, mask=ok, other=0).to(tl.int32)
-            zlo, zhi = _h2_zero_pairs(zero[:, :, None] + tl.zeros([ok.shape[0], ok.shape[1], 16], dtype=tl.int32),
-                                      EMULATE)
+            zlo, zhi = _h2_zero_pairs(tl.broadcast_to(zero[:, :, None], (ok.shape[0], ok.shape[1], 16)), EMULATE)
         else:
             zlo, zhi = 0, 0
     return s, zlo, zhi
@@ -380,12 +378,11 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
     zhi = tl.full([BLOCK_N, TILES, _WORDS], _ZHI_SYM, tl.int32)
     zlo_b, zhi_b = zlo, zhi
     if GROUP == -1 and HAS_ZERO:  # one zero point per row, for all of K
-        zero_words = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.int32)
-        zlo, zhi = _h2_zero_pairs(tl.load(z_base + rows, mask=n_ok, other=0).to(tl.int32)[:, None, None] + zero_words,
-                                  EMULATE)
+        zero = tl.load(z_base + rows, mask=n_ok, other=0).to(tl.int32)[:, None, None]
+        zlo, zhi = _h2_zero_pairs(tl.broadcast_to(zero, (BLOCK_N, TILES, _WORDS)), EMULATE)
         if TWO:
-            zlo_b, zhi_b = _h2_zero_pairs(tl.load(z_base + rows_b, mask=n_ok, other=0).to(tl.int32)[:, None, None]
-                                          + zero_words, EMULATE)
+            zero_b = tl.load(z_base + rows_b, mask=n_ok, other=0).to(tl.int32)[:, None, None]
+            zlo_b, zhi_b = _h2_zero_pairs(tl.broadcast_to(zero_b, (BLOCK_N, TILES, _WORDS)), EMULATE)
     if not W_DESC:
         w_ptrs = w_src + rows[:, None, None] * stride_qn + col[None, None, :]
         w_ptrs_b = w_src + rows_b[:, None, None] * stride_qn + col[None, None, :]

@@ -208,8 +208,7 @@ _ZHI_FROM_ZLO_ASM = tl.constexpr("{\n.reg .b32 c;\nmov.b32 c, 0x53805380;\nadd.r
 def _h2_zero_pairs(zero, EMULATE: tl.constexpr):
     """fp16 pairs -(64 + z/16) and -(4 + z/16) for integer zero points z (int32, 0-255), by integer arithmetic:
     0xD400 is -64, whose ulp is 1/16, so adding z to both halves' bits gives the first pair (one IMAD), and one
-    HADD2 the second. Converting z in fp32 took ~9 instructions per element, and the packed GEMV holds one element
-    per word (its layout gives a thread every row of its word positions): a quarter of the int4 zero-point loop."""
+    HADD2 the second. Cheap because the packed GEMV's layout holds one (row, tile) per word: this runs per word."""
     zlo = zero * 0x00010001 + _ZLO_BASE
     if EMULATE:
         zhi = (-(4.0 + zero.to(tl.float32) * 0.0625)).to(tl.float16)
@@ -459,8 +458,8 @@ def _gemv_h2_kernel(
     if PER_CHANNEL:
         scale = tl.load(s_ptr + rows).to(tl.float32)
         if HAS_ZERO:
-            zlo, zhi = _h2_zero_pairs(tl.load(z_ptr + rows).to(tl.int32)[:, None, None]
-                                      + tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.int32), EMULATE)
+            zero = tl.load(z_ptr + rows).to(tl.int32)[:, None, None]
+            zlo, zhi = _h2_zero_pairs(tl.broadcast_to(zero, (BLOCK_N, TILES, _WORDS)), EMULATE)
     tables = 0
     lane_table = 0
     if NF4 and not EMULATE:
@@ -510,7 +509,7 @@ def _gemv_h2_kernel(
             param_offs = ((tile * 128) // group_size)[None, :].to(tl.int64) * stride_sg + rows[:, None]
             if HAS_ZERO:
                 zero = tl.load(z_ptr + param_offs, mask=live[None, :], other=0).to(tl.int32)[:, :, None]
-                zlo, zhi = _h2_zero_pairs(zero + tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.int32), EMULATE)
+                zlo, zhi = _h2_zero_pairs(tl.broadcast_to(zero, (BLOCK_N, TILES, _WORDS)), EMULATE)
         if PER_CHANNEL:
             s = tl.full([BLOCK_N, TILES], 1.0, tl.float32)
         else:
