@@ -364,6 +364,19 @@ def test_resolve_keeps_the_nf4_lookup_choice(k):
     assert "nf4_shfl" not in k.tuning.resolve(k.tuning.heuristic(1, 4096, 4096, 132), x16[:1], None, 128)
 
 
+def test_resolve_takes_a_bf16_override_for_bf16_activations_only(k):
+    """A config's "bf16" keys replace its own for bf16 x (here: the fp32 GEMV instead of the packed one) and are
+    dropped for fp16 x; a "bf16" that is not a dict is refused by name."""
+    config = {"kernel": "gemv", "block_n": 8, "tiles": 8, "half2": True, "bf16": {"half2": False, "tiles": 4}}
+    x = torch.zeros(1, 4096)
+    fp16 = k.tuning.resolve(config, x.half(), None, 128)
+    bf16 = k.tuning.resolve(config, x.bfloat16(), None, 128)
+    assert fp16["kernel"] == "gemv_h2" and fp16["tiles"] == 8 and "bf16" not in fp16
+    assert bf16["kernel"] == "gemv" and bf16["tiles"] == 4 and "bf16" not in bf16
+    with pytest.raises(ValueError, match='"bf16"'):
+        k.tuning.resolve({**config, "bf16": True}, x.half(), None, 128)
+
+
 def test_nf4_lookup_choice_is_checked(k):
     """"nf4_shfl" takes true, false or "half"; anything else is refused by name before a launch."""
     with pytest.raises(ValueError, match="nf4_shfl"):

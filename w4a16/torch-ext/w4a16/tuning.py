@@ -23,7 +23,8 @@ tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`
 the dequantize kernel's programs, and ``nf4_tables`` as for dot, there also off for float32 activations). Any
 config may also say ``"pdl": False``: the packed-fp16 and mma GEMVs and the dot kernel (and their split-K
 reductions) then launch in stream order instead of as programmatic dependents of the kernel before
-(`triton_kernels.launch.dependent_launch`, on by default where sm_90+ runs).
+(`triton_kernels.launch.dependent_launch`, on by default where sm_90+ runs). And any config may hold a ``"bf16"``
+dict: keys that replace its own when the activations are bf16 (`for_activations`).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
 dtype, device and weight format, the one place where those choices are made: ``"gemv"`` becomes
@@ -289,9 +290,20 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bo
     """The launch plan of `config` for activations `x` and a weight of this format (`has_mins`: int4 with float
     minima, `has_zeros`: integer zero points; see the module doc); with `swiglu` (a fused gate / up weight in the
     SwiGLU layout) for the epilogue silu(gate) * up."""
+    config = for_activations(config, x.dtype)
     plan = _kernel_plan(config, x, codebook, group_size, swiglu, has_mins, has_zeros)
     # the decode kernels' launch option and NF4 lookup (PRMT tables or warp shuffles), set beside the kernel choice
     return {**plan, **{key: config[key] for key in ("pdl", "nf4_shfl") if key in config}}
+
+
+def for_activations(config: dict, dtype: torch.dtype) -> dict:
+    """`config` for activations of `dtype`: a ``"bf16"`` key holds keys that replace the config's own for bf16 x
+    (a table entry tuned with fp16 x whose best launch differs for bf16, e.g. the mma GEMV, which takes bf16 as it
+    is, where the packed-fp16 GEMV first converts x); other dtypes run the config without it."""
+    if not isinstance(config.get("bf16"), dict) and "bf16" in config:
+        raise ValueError(f'a config\'s "bf16" must be a dict of keys for bf16 activations, got {config["bf16"]!r}')
+    base = {key: value for key, value in config.items() if key != "bf16"}
+    return {**base, **config["bf16"]} if dtype == torch.bfloat16 and "bf16" in config else base
 
 
 def _kernel_plan(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bool, has_mins: bool,
