@@ -58,15 +58,22 @@ def test_goals_compare_the_heuristic_with_the_table():
 
 def test_merge_compare_takes_symmetric_results_only():
     """The tables are tuned on symmetric int4 g128 with fp16 x: a `--compare-decode` result measured with zero
-    points or bf16 x is refused; a symmetric one puts a candidate that beats the shipped config by more than the
-    margin in the table."""
+    points is refused; a symmetric one puts a candidate that beats the shipped config by more than the margin in
+    the table; one with bf16 x puts the keys in which its winner differs into the entry's "bf16" override, and
+    only where an fp16 entry exists."""
     env = {"date": "d", "torch": "t", "triton": "tr", "cuda": "c", "command": "cmd"}
     rows = [{"shape": "L3-8B qkv", "m": 1, "impl": "shipped", "us": 10.0, "config": {"kernel": "gemv"}},
             {"shape": "L3-8B qkv", "m": 1, "impl": "candidate", "us": 8.0, "config": {"kernel": "dot"}}]
     with pytest.raises(ValueError, match="zero points True"):
         merge_compare({}, {"env": env, "fmt": "int4", "group": 128, "zero_point": True, "rows": rows})
-    with pytest.raises(ValueError, match="x bfloat16"):
-        merge_compare({}, {"env": env, "fmt": "int4", "group": 128, "x_dtype": "bfloat16", "rows": rows})
+    bf16 = {"env": env, "fmt": "int4", "group": 128, "x_dtype": "bfloat16", "rows": rows}
     table = {}
+    assert "not written" in merge_compare(table, bf16)[0] and table["shapes"]["6144x4096"] == {}
     changes = merge_compare(table, {"env": env, "fmt": "int4", "group": 128, "zero_point": False, "rows": rows})
     assert len(changes) == 1 and table["shapes"]["6144x4096"]["1"] == {"kernel": "dot"}
+    shipped = {"kernel": "gemv", "block_n": 8, "bf16": {"kernel": "dot"}}
+    bf16["rows"] = [dict(rows[0], config=shipped), dict(rows[1], config={"kernel": "gemv", "block_n": 8,
+                                                                         "mma": {"tiles": 4}, "bf16": {}})]
+    table["shapes"]["6144x4096"]["1"] = {"kernel": "gemv", "block_n": 8}
+    assert len(merge_compare(table, bf16)) == 1
+    assert table["shapes"]["6144x4096"]["1"] == {"kernel": "gemv", "block_n": 8, "bf16": {"mma": {"tiles": 4}}}

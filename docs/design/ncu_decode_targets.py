@@ -4,7 +4,7 @@ those at ~87 % and cuBLAS, so the counters can say why (stall reasons, DRAM thro
 Each case is called once to compile and warm up, then once inside the NVTX range "profile", which ncu selects:
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" --set full -o $OUT/decode \
-        python docs/design/ncu_decode_targets.py [w4a16] [moe]
+        python docs/design/ncu_decode_targets.py [w4a16] [moe] [mma] [dot]
     ncu --import $OUT/decode.ncu-rep --page details --csv > $OUT/decode-details.csv
 
 Cases: w4a16 at M = 1, fp16, int4 g128, the eight Llama-3 shapes on the shipped launch (the card's table);
@@ -12,6 +12,10 @@ Cases: w4a16 at M = 1, fp16, int4 g128, the eight Llama-3 shapes on the shipped 
 apart (70B gate_up at ~87 % of copy, 70B o at ~52 %); moe-dispatch `experts` at T = 1 with int4 g128 experts,
 bf16 activations, Mixtral-8x7B and Qwen3-30B-A3B shapes. Run from the repository root with PYTHONPATH=. (needs a
 GPU). Kernels are listed in launch order in the report; the case names are printed in the same order.
+
+`mma` (not in the default set): the mma GEMV at M = 16 on the eight shapes and at M = 4 on three, NF4 g64 at
+M = 16 on two, cuBLAS fp16 at M = 16 on the same two. `dot`: the tensor-core dot path at M = 256 and cuBLAS beside,
+on 8B gate_up and 70B o (issue #12's M = 16 and M = 256 goals are the furthest from their targets).
 """
 import sys
 
@@ -43,6 +47,24 @@ with loaded_kernel(w4a16_project) as w4a16, loaded_kernel(moe_project) as moe:
                 cases.append((f"cublas {label} M=1", lambda x=x, w=weight: x @ w.t()))
             else:
                 del weight
+    if which & {"mma", "dot"}:
+        for label, k, n in wb.SHAPES:
+            weight = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+            qw = w4a16.quantize(weight, group_size=wb.GROUP)
+            tokens = [16] if "mma" in which else []
+            if "mma" in which and label in ("L3-8B qkv", "L3-70B o", "L3-70B down"):
+                tokens.append(4)
+            if "dot" in which and label in ("L3-8B gate_up", "L3-70B o"):
+                tokens.append(256)
+            for m in tokens:
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                cases.append((f"w4a16 {label} M={m}", lambda x=x, qw=qw: w4a16.matmul(x, qw)))
+                if label in ("L3-8B gate_up", "L3-70B o") and m in (16, 256):
+                    cases.append((f"cublas {label} M={m}", lambda x=x, w=weight: x @ w.t()))
+            if "mma" in which and label in ("L3-8B qkv", "L3-70B o"):
+                nf4 = w4a16.quantize(weight, group_size=wb.NF4_GROUP, fmt="nf4")
+                x = torch.randn(16, k, device="cuda", dtype=torch.float16)
+                cases.append((f"w4a16 nf4 {label} M=16", lambda x=x, qw=nf4: w4a16.matmul(x, qw)))
     if "moe" in which:
         spec = mb.QUANT_FORMATS["int4-g128"]
         for name in ("mixtral-8x7b", "qwen3-30b-a3b"):

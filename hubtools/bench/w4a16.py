@@ -722,13 +722,15 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     """Put the fastest verified launch of a `compare_decode` result into `table` for each of `shapes` and
     each M measured (its bucket), where it beats the shipped config timed beside it by more than `min_gain`
     (smaller differences are run-to-run noise); returns one line per change. Shapes outside `shapes` (the
-    untuned ones that check the heuristic) are never written."""
-    measured = (result.get("fmt", "int4"), result.get("group", GROUP), result.get("zero_point", False),
-                result.get("x_dtype", "float16"))
-    if measured != ("int4", GROUP, False, "float16"):
-        raise ValueError(f"the table is tuned on symmetric int4 g{GROUP} with fp16 x; this result is "
-                         f"{result.get('fmt')} g{result.get('group')}, zero points {result.get('zero_point', False)}, "
-                         f"x {result.get('x_dtype', 'float16')}")
+    untuned ones that check the heuristic) are never written. A result with bf16 x goes into the entry's
+    ``"bf16"`` override (`tuning.for_activations`): the winner's keys that differ from the entry tuned with fp16
+    x, which must exist."""
+    measured = (result.get("fmt", "int4"), result.get("group", GROUP), result.get("zero_point", False))
+    x_dtype = result.get("x_dtype", "float16")
+    if measured != ("int4", GROUP, False) or x_dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"the table is tuned on symmetric int4 g{GROUP} with fp16 x (bf16 x as overrides); this "
+                         f"result is {result.get('fmt')} g{result.get('group')}, zero points "
+                         f"{result.get('zero_point', False)}, x {x_dtype}")
     labels = {label: (k, n) for label, k, n in shapes}
     best: dict[tuple, dict] = {}
     shipped: dict[tuple, dict] = {}
@@ -746,9 +748,20 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
         if key in shipped and row["us"] > shipped[key]["us"] * (1 - min_gain):
             continue
         k, n = labels[label]
-        table.setdefault("shapes", {}).setdefault(f"{n}x{k}", {})[str(m)] = row["config"]
+        entries = table.setdefault("shapes", {}).setdefault(f"{n}x{k}", {})
+        config = {name: value for name, value in row["config"].items() if name != "bf16"}
         was = f"{shipped[key]['us']:.1f}" if key in shipped else "-"
-        changes.append(f"{label} M={m}: {was} -> {row['us']:.1f} us {json.dumps(row['config'], sort_keys=True)}")
+        if x_dtype == "bfloat16":
+            entry = entries.get(str(m))
+            if entry is None:
+                changes.append(f"{label} M={m}: no entry tuned with fp16 x to hold a bf16 override; not written")
+                continue
+            config = {name: value for name, value in config.items() if entry.get(name) != value}
+            entry["bf16"] = config
+        else:
+            entries[str(m)] = config
+        changes.append(f"{label} M={m}{' bf16' if x_dtype == 'bfloat16' else ''}: {was} -> {row['us']:.1f} us "
+                       f"{json.dumps(config, sort_keys=True)}")
     env = result["env"]
     table.setdefault("measured", []).append({key: env[key] for key in ("date", "torch", "triton", "cuda", "command")})
     return changes
