@@ -121,14 +121,16 @@ def _chain_step(words, j: gl.constexpr, params, acc, x_chunk):
 def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr,
                         tile0, num_tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP: gl.constexpr,
                         PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr):
+                        HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, INFLIGHT: gl.constexpr):
     """Dequantization into the MMA's register operand beside the previous chunk's asynchronous MMA, then the
     output. The words are loaded in the operand's own layout (a thread holds the words of the K columns its
     fragment needs: word c of a row is column 16 j + c of K-chunk j), so each 16-column chunk j is the words' nibble
     j, dequantized in place. The 128 rows run as two 64-row chains with accumulators of their own: one warpgroup's
     operand of several MMA repetitions, two warpgroups, or two consumer partitions all made ptxas serialize every
     wgmma (C7515, "non wgmma instructions defining accumulator registers"); separate chains on one warpgroup do not
-    (four chains for 256 rows pipelined too, but measured slower: docs/design/w4a16.md E13)."""
+    (four chains for 256 rows pipelined too, but measured slower: docs/design/w4a16.md E13). INFLIGHT (1 or 2):
+    the chunks whose MMAs may still run when the next chunk's dequantization starts; each keeps its operand
+    registers live until the wait that retires it."""
     stages: gl.constexpr = w_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
     dtype: gl.constexpr = x_bufs.dtype
@@ -140,6 +142,8 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
     acc1 = gl.zeros([64, BLOCK_M], gl.float32, layout=acc_layout)
     prev0 = gl.zeros([64, 16], dtype, layout=a_layout)
     prev1 = gl.zeros([64, 16], dtype, layout=a_layout)
+    older0 = gl.zeros([64, 16], dtype, layout=a_layout)
+    older1 = gl.zeros([64, 16], dtype, layout=a_layout)
     one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
     for t in range(num_tiles):
         tile = tile0 + t
@@ -162,10 +166,15 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
             x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
             a0, acc0 = _chain_step(words0, j, params0, acc0, x_chunk)
             a1, acc1 = _chain_step(words1, j, params1, acc1, x_chunk)
-            # retires the chunk before, whose operand registers (prev*) stay live until here; at a tile's first
-            # chunk that is the previous tile's last, so its x slot goes back to the loader
-            acc0, acc1, prev0, prev1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1, prev0, prev1))
-            if j == 0:
+            # retires the chunk INFLIGHT before this one, whose operand registers stay live until here; when that is
+            # the previous tile's last chunk, its x slot goes back to the loader
+            if INFLIGHT == 1:
+                acc0, acc1, prev0, prev1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1, prev0, prev1))
+            else:
+                acc0, acc1, older0, older1 = warpgroup_mma_wait(num_outstanding=4, deps=(acc0, acc1, older0, older1))
+                older0 = prev0
+                older1 = prev1
+            if j == INFLIGHT - 1:
                 mbarrier.arrive(x_empty.index((t + stages - 1) % stages), count=1, pred=t > 0)
             prev0 = a0
             prev1 = a1
@@ -177,10 +186,11 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
 @gluon.jit
 def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split, s_stride,
                   out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
-                  HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr):
+                  HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
+                  INFLIGHT: gl.constexpr):
     """Program (token tile, row tile of 128, K split): K-tiles [split * per_split, ...) of `num_tiles`;
     with PARTIAL its fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction).
-    4 warps and the loader warp."""
+    4 warps and the loader warp; INFLIGHT chunks of MMAs run beside the next chunk's dequantization."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
@@ -204,7 +214,7 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, 
     gl.warp_specialize([
         (_consumer_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr,
                                out_ptr, tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP,
-                               PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL)),
+                               PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT)),
         (_load_partition, (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles, off_n,
                            off_m)),
     ], [1], [24])
