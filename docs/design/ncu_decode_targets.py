@@ -4,7 +4,7 @@ those at ~87 % and cuBLAS, so the counters can say why (stall reasons, DRAM thro
 Each case is called once to compile and warm up, then once inside the NVTX range "profile", which ncu selects:
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" --set full -o $OUT/decode \
-        python docs/design/ncu_decode_targets.py [w4a16] [moe] [mma] [dot]
+        python docs/design/ncu_decode_targets.py [w4a16] [moe] [mma] [dot] [wgmma]
     ncu --import $OUT/decode.ncu-rep --page details --csv > $OUT/decode-details.csv
 
 Cases: w4a16 at M = 1, fp16, int4 g128, the eight Llama-3 shapes on the shipped launch (the card's table);
@@ -15,7 +15,8 @@ GPU). Kernels are listed in launch order in the report; the case names are print
 
 `mma` (not in the default set): the mma GEMV at M = 16 on the eight shapes and at M = 4 on three, NF4 g64 at
 M = 16 on two, cuBLAS fp16 at M = 16 on the same two. `dot`: the tensor-core dot path at M = 256 and cuBLAS beside,
-on 8B gate_up and 70B o (issue #12's M = 16 and M = 256 goals are the furthest from their targets).
+on 8B gate_up and 70B o (issue #12's M = 16 and M = 256 goals are the furthest from their targets). `wgmma`: the
+Gluon prefill kernel (128-token tiles, 3 stages, two chunks in flight: E37) at M = 256 on the same two shapes.
 """
 import sys
 
@@ -47,7 +48,7 @@ with loaded_kernel(w4a16_project) as w4a16, loaded_kernel(moe_project) as moe:
                 cases.append((f"cublas {label} M=1", lambda x=x, w=weight: x @ w.t()))
             else:
                 del weight
-    if which & {"mma", "dot"}:
+    if which & {"mma", "dot", "wgmma"}:
         for label, k, n in wb.SHAPES:
             weight = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
             qw = w4a16.quantize(weight, group_size=wb.GROUP)
@@ -61,6 +62,12 @@ with loaded_kernel(w4a16_project) as w4a16, loaded_kernel(moe_project) as moe:
                 cases.append((f"w4a16 {label} M={m}", lambda x=x, qw=qw: w4a16.matmul(x, qw)))
                 if label in ("L3-8B gate_up", "L3-70B o") and m in (16, 256):
                     cases.append((f"cublas {label} M={m}", lambda x=x, w=weight: x @ w.t()))
+            if "wgmma" in which and label in ("L3-8B gate_up", "L3-70B o"):
+                x = torch.randn(256, k, device="cuda", dtype=torch.float16)
+                config = wb._override(dict(w4a16.tuning.select(256, n, k, x.device)),
+                                      {"wgmma": {"block_m": 128, "num_stages": 3, "inflight": 2}})
+                cases.append((f"w4a16 wgmma {label} M=256", lambda x=x, qw=qw, c=config:
+                              wb._matmul_with(w4a16, x, qw, c)))
             if "mma" in which and label in ("L3-8B qkv", "L3-70B o"):
                 nf4 = w4a16.quantize(weight, group_size=wb.NF4_GROUP, fmt="nf4")
                 x = torch.randn(16, k, device="cuda", dtype=torch.float16)
