@@ -145,14 +145,11 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
     older0 = gl.zeros([64, 16], dtype, layout=a_layout)
     older1 = gl.zeros([64, 16], dtype, layout=a_layout)
     one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
-    # With one group per K-tile its parameters are loaded a tile ahead, after the tile's fence (which waits for
-    # every load the thread has in flight): loaded at the tile's top, their first use and the fence stalled on them
-    # (the largest consumer stall in run 107's profile).
-    if one_group:
-        next0, next1 = _chain_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile0 * 128 // GROUP, s_stride, rows,
-                                     HAS_ZERO, HAS_MIN, dtype)
     for t in range(num_tiles):
         tile = tile0 + t
+        if one_group:  # issued before the barrier waits, so its latency overlaps them
+            params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP, s_stride,
+                                             rows, HAS_ZERO, HAS_MIN, dtype)
         s = t % stages
         phase = (t // stages) & 1
         mbarrier.wait(w_ready.index(s), phase)
@@ -160,13 +157,6 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
         words1 = w_bufs.index(s).slice(64, 64, dim=0).load(a_layout)
         fence_async_shared()
         mbarrier.arrive(w_empty.index(s), count=1)
-        if one_group:
-            params0 = next0
-            params1 = next1
-            if not PER_CHANNEL:
-                following = gl.minimum(tile + 1, tile0 + num_tiles - 1)
-                next0, next1 = _chain_params(s_ptr, z_ptr, m_ptr, following * 128 // GROUP, s_stride, rows, HAS_ZERO,
-                                             HAS_MIN, dtype)
         mbarrier.wait(x_ready.index(s), phase)
         x_tile = x_bufs.index(s)
         for j in gl.static_range(8):
