@@ -324,7 +324,8 @@ def test_untuned_shapes_are_logged_once(k, caplog):
 
 def test_shipped_tables_name_their_gpu_and_resolve(k):
     """Each configs/<gpu>.json is found under the name of the GPU it says it was measured on, says how (date,
-    versions, command), and every entry of it resolves to a launch plan at the M of its bucket."""
+    versions, command), and every entry of it resolves to a launch plan at the M of its bucket, with fp16 x and
+    with bf16 x (which takes an entry's "bf16" override)."""
     paths = sorted(k.tuning.CONFIG_DIR.glob("*.json"))
     assert {p.stem for p in paths} >= {"nvidia-h200", "nvidia-h100-80gb-hbm3"}
     for path in paths:
@@ -334,9 +335,10 @@ def test_shipped_tables_name_their_gpu_and_resolve(k):
         for shape, entry in table["shapes"].items():
             kk = int(shape.split("x")[1])
             for bucket, config in entry.items():
-                x = torch.zeros(int(bucket), kk, dtype=torch.float16)
-                assert k.tuning.resolve(config, x, None, 128)["kernel"] in ("gemv", "gemv_h2", "dot", "dequant"), \
-                    (path.name, shape, bucket)
+                for dtype in (torch.float16, torch.bfloat16):
+                    x = torch.zeros(int(bucket), kk, dtype=dtype)
+                    plan = k.tuning.resolve(config, x, None, 128)
+                    assert plan["kernel"] in ("gemv", "gemv_h2", "dot", "dequant"), (path.name, shape, bucket, dtype)
 
 
 def test_resolve_keeps_the_dependent_launch_choice(k):
