@@ -300,10 +300,12 @@ def for_activations(config: dict, dtype: torch.dtype) -> dict:
     """`config` for activations of `dtype`: a ``"bf16"`` key holds keys that replace the config's own for bf16 x
     (a table entry tuned with fp16 x whose best launch differs for bf16, e.g. the mma GEMV, which takes bf16 as it
     is, where the packed-fp16 GEMV first converts x); other dtypes run the config without it."""
-    if not isinstance(config.get("bf16"), dict) and "bf16" in config:
+    if "bf16" not in config:
+        return config
+    if not isinstance(config["bf16"], dict):
         raise ValueError(f'a config\'s "bf16" must be a dict of keys for bf16 activations, got {config["bf16"]!r}')
     base = {key: value for key, value in config.items() if key != "bf16"}
-    return {**base, **config["bf16"]} if dtype == torch.bfloat16 and "bf16" in config else base
+    return {**base, **config["bf16"]} if dtype == torch.bfloat16 else base
 
 
 def _kernel_plan(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bool, has_mins: bool,
