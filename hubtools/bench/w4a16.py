@@ -686,8 +686,10 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
             shipped = evaluate("shipped", shipped_config)
             if variants is None:
                 launches = candidates(m, rows_padded, tiles, sm_count, fmt)
-            else:  # the shipped config with each override (nested dicts such as "mma" merged), nothing else
-                launches = [_override(shipped_config, v) for v in variants]
+            else:  # the shipped config with each override (nested dicts such as "mma" merged), nothing else; on top
+                # of what runs for this dtype, so that a table's own "bf16" keys do not replace a variant's
+                runs = tuning.for_activations(shipped_config, x_dtype)
+                launches = [_override(runs, v) for v in variants]
             trials = [evaluate("candidate", c) for c in launches]
             t_cublas, cublas_err = _time_verified(lambda i: F.linear(xs[i], dense16[i % len(dense16)]), len(dense16),
                                                   xs, lambda _: ref, x_dtype, plan)
