@@ -56,11 +56,11 @@ def test_goals_compare_the_heuristic_with_the_table():
     assert not found[0]["met"]
 
 
-def test_merge_compare_takes_symmetric_results_only():
+def test_merge_compare_takes_symmetric_results_and_bf16_overrides():
     """The tables are tuned on symmetric int4 g128 with fp16 x: a `--compare-decode` result measured with zero
     points is refused; a symmetric one puts a candidate that beats the shipped config by more than the margin in
     the table; one with bf16 x puts the keys in which its winner differs into the entry's "bf16" override, and
-    only where an fp16 entry exists."""
+    only where an fp16 entry exists; a later fp16 winner keeps that override."""
     env = {"date": "d", "torch": "t", "triton": "tr", "cuda": "c", "command": "cmd"}
     rows = [{"shape": "L3-8B qkv", "m": 1, "impl": "shipped", "us": 10.0, "config": {"kernel": "gemv"}},
             {"shape": "L3-8B qkv", "m": 1, "impl": "candidate", "us": 8.0, "config": {"kernel": "dot"}}]
@@ -77,3 +77,5 @@ def test_merge_compare_takes_symmetric_results_only():
     table["shapes"]["6144x4096"]["1"] = {"kernel": "gemv", "block_n": 8}
     assert len(merge_compare(table, bf16)) == 1
     assert table["shapes"]["6144x4096"]["1"] == {"kernel": "gemv", "block_n": 8, "bf16": {"mma": {"tiles": 4}}}
+    assert len(merge_compare(table, {"env": env, "fmt": "int4", "group": 128, "rows": rows})) == 1
+    assert table["shapes"]["6144x4096"]["1"] == {"kernel": "dot", "bf16": {"mma": {"tiles": 4}}}

@@ -726,7 +726,7 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     (smaller differences are run-to-run noise); returns one line per change. Shapes outside `shapes` (the
     untuned ones that check the heuristic) are never written. A result with bf16 x goes into the entry's
     ``"bf16"`` override (`tuning.for_activations`): the winner's keys that differ from the entry tuned with fp16
-    x, which must exist."""
+    x, which must exist; an fp16 winner keeps the override of the entry it replaces."""
     measured = (result.get("fmt", "int4"), result.get("group", GROUP), result.get("zero_point", False))
     x_dtype = result.get("x_dtype", "float16")
     if measured != ("int4", GROUP, False) or x_dtype not in ("float16", "bfloat16"):
@@ -760,8 +760,9 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
                 continue
             config = {name: value for name, value in config.items() if entry.get(name) != value}
             entry["bf16"] = config
-        else:
-            entries[str(m)] = config
+        else:  # an entry's bf16 override stays: it says what bf16 x runs, whatever fp16 x now runs
+            kept = entries.get(str(m), {}).get("bf16")
+            entries[str(m)] = config if kept is None else {**config, "bf16": kept}
         changes.append(f"{label} M={m}{' bf16' if x_dtype == 'bfloat16' else ''}: {was} -> {row['us']:.1f} us "
                        f"{json.dumps(config, sort_keys=True)}")
     env = result["env"]
