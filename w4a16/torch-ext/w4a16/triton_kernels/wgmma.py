@@ -131,9 +131,8 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
     rows pipelined too, but measured slower: docs/design/w4a16.md E13). ptxas also serializes the wgmma of any
     worker partition (Triton runs workers inside a dispatch loop that also holds their accumulators' zeroing), so
     a second consumer warpgroup, which would have to be a worker, measured 13 % slower than this one (E39).
-    INFLIGHT (1 or 2):
-    the chunks whose MMAs may still run when the next chunk's dequantization starts; each keeps its operand
-    registers live until the wait that retires it."""
+    INFLIGHT (1 or 2): the chunks whose MMAs may still run when the next chunk's dequantization starts; each keeps
+    its operand registers live until the wait that retires it."""
     stages: gl.constexpr = w_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
     dtype: gl.constexpr = x_bufs.dtype
