@@ -195,9 +195,11 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
     if block_n != 128:
         raise ValueError(f"config: wgmma block_n must be 128 (two 64-row accumulator chains); got {plan}")
-    inflight = plan.get("inflight", 1)
+    inflight, consumers = plan.get("inflight", 1), plan.get("consumers", 1)
     if inflight not in (1, 2):
         raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1 or 2; got {plan}")
+    if consumers not in (1, 2):
+        raise ValueError(f"config: wgmma consumers (warpgroups dequantizing) must be 1 or 2; got {plan}")
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
     splits, target = _split_targets(x, out, n, num_tiles, per_split)
@@ -211,7 +213,7 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
         m, n, num_tiles, per_split, scales.stride(0), target.stride(-2),
         GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
         HAS_MIN=mins is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1, STAGES=plan.get("num_stages", 4),
-        INFLIGHT=inflight, num_warps=4,
+        INFLIGHT=inflight, CONSUMERS=consumers, num_warps=4,
     )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False)

@@ -186,10 +186,58 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
 
 
 @gluon.jit
+def _chain_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr,
+                     tile0, num_tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP: gl.constexpr,
+                     PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, INFLIGHT: gl.constexpr, CHAIN: gl.constexpr):
+    """`_consumer_partition` for one 64-row chain (rows 64 CHAIN on) of the row tile, for a warpgroup of its own:
+    with two of them each ring slot is released by both (barriers of count 2)."""
+    stages: gl.constexpr = w_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
+    dtype: gl.constexpr = x_bufs.dtype
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows = off_n + 64 * CHAIN + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
+    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=acc_layout)
+    prev = gl.zeros([64, 16], dtype, layout=a_layout)
+    older = gl.zeros([64, 16], dtype, layout=a_layout)
+    one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
+    for t in range(num_tiles):
+        tile = tile0 + t
+        if one_group:
+            params = _group_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP, s_stride, rows,
+                                   HAS_ZERO, HAS_MIN, dtype)
+        s = t % stages
+        phase = (t // stages) & 1
+        mbarrier.wait(w_ready.index(s), phase)
+        words = w_bufs.index(s).slice(64 * CHAIN, 64, dim=0).load(a_layout)
+        fence_async_shared()
+        mbarrier.arrive(w_empty.index(s), count=1)
+        mbarrier.wait(x_ready.index(s), phase)
+        x_tile = x_bufs.index(s)
+        for j in gl.static_range(8):
+            if not one_group and (16 * j) % GROUP == 0:
+                params = _group_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows, HAS_ZERO,
+                                       HAS_MIN, dtype)
+            a, acc = _chain_step(words, j, params, acc, x_tile.slice(16 * j, 16, dim=1).permute((1, 0)))
+            if INFLIGHT == 1:
+                acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
+            else:
+                acc, older = warpgroup_mma_wait(num_outstanding=2, deps=(acc, older))
+                older = prev
+            if j == INFLIGHT - 1:
+                mbarrier.arrive(x_empty.index((t + stages - 1) % stages), count=1, pred=t > 0)
+            prev = a
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    _store_out(acc, bias_ptr, out_ptr, off_m, off_n + 64 * CHAIN, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
+
+
+@gluon.jit
 def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split, s_stride,
                   out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
                   HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
-                  INFLIGHT: gl.constexpr):
+                  INFLIGHT: gl.constexpr, CONSUMERS: gl.constexpr):
     """Program (token tile, row tile of 128, K split): K-tiles [split * per_split, ...) of `num_tiles`;
     with PARTIAL its fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction).
     4 warps and the loader warp; INFLIGHT chunks of MMAs run beside the next chunk's dequantization."""
@@ -210,9 +258,21 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, 
     x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(w_ready.index(i), count=1)
-        mbarrier.init(w_empty.index(i), count=1)
+        mbarrier.init(w_empty.index(i), count=CONSUMERS)
         mbarrier.init(x_ready.index(i), count=1)
-        mbarrier.init(x_empty.index(i), count=1)
+        mbarrier.init(x_empty.index(i), count=CONSUMERS)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_chain_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr,
+                                out_ptr, tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP,
+                                PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 0)),
+            (_chain_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr,
+                                out_ptr, tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP,
+                                PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 1)),
+            (_load_partition, (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles,
+                               off_n, off_m)),
+        ], [4, 1], [232, 24])
+        return
     gl.warp_specialize([
         (_consumer_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr,
                                out_ptr, tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP,
