@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -190,7 +191,7 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from .wgmma import _wgmma_kernel
+    from .wgmma import _wgmma_kernel, unlooped_workers
 
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
     if block_n != 128:
@@ -208,13 +209,14 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
                              gl.NVMMASharedLayout.get_default_for([block_m, 128], x_type))
     w_desc = GluonDescriptor(qweight, list(qweight.shape), [qweight.stride(0), 1], [block_n, WORDS_PER_TILE],
                              gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE], gl.int32))
-    _wgmma_kernel[(triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)](
-        x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(bias, scales), target,
-        m, n, num_tiles, per_split, scales.stride(0), target.stride(-2),
-        GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
-        HAS_MIN=mins is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1, STAGES=plan.get("num_stages", 4),
-        INFLIGHT=inflight, CONSUMERS=consumers, num_warps=4,
-    )
+    with unlooped_workers() if consumers == 2 else contextlib.nullcontext():
+        _wgmma_kernel[(triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)](
+            x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(bias, scales), target,
+            m, n, num_tiles, per_split, scales.stride(0), target.stride(-2),
+            GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
+            HAS_MIN=mins is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
+            STAGES=plan.get("num_stages", 4), INFLIGHT=inflight, CONSUMERS=consumers, num_warps=4,
+        )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False)
 

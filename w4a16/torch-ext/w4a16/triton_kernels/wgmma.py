@@ -17,6 +17,10 @@ with the operand made by warps of their own into a shared-memory ring (commit 55
 
 from __future__ import annotations
 
+import contextlib
+import re
+
+from triton import knobs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -26,6 +30,54 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+
+_LOOP_HEADER = re.compile(r"^(\$L__BB\d+_\d+):[^\n]*\n\s*// =>This Loop Header: Depth=1$", re.M)
+
+
+def unloop_worker_dispatch(ptx: str) -> str:
+    """The kernel's PTX with Triton's worker dispatch loop opened: each worker partition runs once and exits.
+
+    Triton 3.6 lowers `gl.warp_specialize` to a loop in which the worker warps wait for a partition index and
+    jump to their code through a table, then wait again (a program here specializes once: the second index is
+    always "exit"). Inside that loop ptxas gives the worker's code only the kernel's launch register budget and
+    serializes every wgmma of the function (C7512, C7515), so a second dequantizing warpgroup cost more than it
+    added (docs/design/w4a16.md E39). Sending each branch back to the loop header to the exit instead (one more
+    barrier, as the header's, then ``ret``) leaves the same program without the loop. PTX of another shape is
+    returned unchanged."""
+    brx = ptx.find("brx.idx")
+    headers = [m for m in _LOOP_HEADER.finditer(ptx, 0, brx if brx >= 0 else 0)]
+    if brx < 0 or not headers:
+        return ptx
+    header = headers[-1].group(1)
+    back = f"\tbra.uni \t{header};"
+    entry = ptx.find(back)
+    if entry < 0 or entry > headers[-1].start() or ptx.count(back) < 2 or "$L__ws_exit" in ptx:
+        return ptx
+    head, tail = ptx[:entry + len(back)], ptx[entry + len(back):]
+    tail = tail.replace(back, "\tbra.uni \t$L__ws_exit;")
+    exit_block = "$L__ws_exit:\n\tbarrier.sync \t1;\n\tret;\n"
+    return head + "\n" + exit_block + tail
+
+
+def _unlooped_ptx_stages(backend, stages, options, language, capability, chained=None):
+    if chained is not None:
+        chained(backend, stages, options, language, capability)
+    make_ptx = stages["ptx"]
+    stages["ptx"] = lambda src, metadata: unloop_worker_dispatch(make_ptx(src, metadata))
+
+
+@contextlib.contextmanager
+def unlooped_workers():
+    """Compiles within this block get `unloop_worker_dispatch` (Triton's stage hook, restored after; a hook set
+    by someone else still runs first)."""
+    previous = knobs.runtime.add_stages_inspection_hook
+    knobs.runtime.add_stages_inspection_hook = (
+        lambda *args: _unlooped_ptx_stages(*args, chained=previous))
+    try:
+        yield
+    finally:
+        knobs.runtime.add_stages_inspection_hook = previous
 
 
 @gluon.jit
@@ -199,7 +251,10 @@ def _chain_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, 
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     rows = off_n + 64 * CHAIN + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
-    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=acc_layout)
+    # No instruction defines the accumulator before its first MMA (use_acc=False): ptxas serializes the wgmma of a
+    # worker partition whose accumulator a move zeroes inside Triton's dispatch loop (C7515).
+    acc = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [gl.zeros([64, BLOCK_M], gl.int32, layout=acc_layout)],
+                                    gl.float32, is_pure=False, pack=1)
     prev = gl.zeros([64, 16], dtype, layout=a_layout)
     older = gl.zeros([64, 16], dtype, layout=a_layout)
     one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
