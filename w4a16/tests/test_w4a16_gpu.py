@@ -269,9 +269,11 @@ WGMMA_FORMATS = [(False, 128), (True, 128), (True, 256), (False, -1), (True, -1)
 @pytest.mark.parametrize("tiles", [{"block_m": 128, "num_stages": 4}, {"block_m": 64, "num_stages": 4, "split_k": 3},
                                    {"block_m": 128, "num_stages": 3, "inflight": 2},
                                    {"block_m": 64, "num_stages": 4, "split_k": 3, "consumers": 2, "inflight": 2},
-                                   {"block_m": 128, "num_stages": 3, "consumers": 2}],
+                                   {"block_m": 128, "num_stages": 3, "consumers": 2},
+                                   {"block_m": 128, "block_n": 256, "num_stages": 3, "consumers": 2, "inflight": 2},
+                                   {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3, "consumers": 2}],
                          ids=["128x128", "64x128-split3", "128x128-inflight2", "64x128-split3-2consumers",
-                              "128x128-2consumers"])
+                              "128x128-2consumers", "128x256-2consumers", "64x256-split3-2consumers"])
 @pytest.mark.parametrize("m", [64, 300])
 def test_wgmma_vs_float64(k, zero_point, group_size, dtype, tiles, m):
     """The Gluon kernel (a TMA loader warp beside a warpgroup dequantizing into its register operand) on poisoned

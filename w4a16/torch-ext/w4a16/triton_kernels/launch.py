@@ -194,9 +194,10 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
     from .wgmma import _wgmma_kernel, unlooped_workers
 
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
-    if block_n != 128:
-        raise ValueError(f"config: wgmma block_n must be 128 (two 64-row accumulator chains); got {plan}")
     inflight, consumers = plan.get("inflight", 1), plan.get("consumers", 1)
+    if not (block_n == 128 or (block_n == 256 and consumers == 2 and qweight.shape[0] % 256 == 0)):
+        raise ValueError("config: wgmma block_n must be 128 (two 64-row accumulator chains), or 256 with consumers 2 "
+                         f"where it divides the padded rows ({qweight.shape[0]}); got {plan}")
     if inflight not in (1, 2):
         raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1 or 2; got {plan}")
     if consumers not in (1, 2):

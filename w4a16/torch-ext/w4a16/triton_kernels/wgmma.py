@@ -158,6 +158,15 @@ def _store_out(acc, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HA
 
 
 @gluon.jit
+def _opaque_zeros(shape: gl.constexpr, layout: gl.constexpr):
+    """fp32 zeros ptxas sees as the result of an opaque move (inline asm, not pure), not as a constant: a constant
+    accumulator must be copied into the K loop's result registers on its zero-trip path, and in a worker partition
+    Triton lays those copies out between the last wgmma and its wait, which serializes every wgmma (C7515)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [gl.zeros(shape, gl.int32, layout=layout)],
+                                     gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _chain_step(words, j: gl.constexpr, params, acc, x_chunk):
     """K-chunk j of one 64-row chain: nibble j of the words held in the operand's layout, dequantized in place
     (neighbouring words are neighbouring K columns: two elements per PTX call, one register of two values), and
@@ -173,7 +182,7 @@ def _chain_step(words, j: gl.constexpr, params, acc, x_chunk):
 def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr,
                         tile0, num_tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP: gl.constexpr,
                         PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, INFLIGHT: gl.constexpr):
+                        HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, INFLIGHT: gl.constexpr, ROW0: gl.constexpr = 0):
     """Dequantization into the MMA's register operand beside the previous chunk's asynchronous MMA, then the
     output. The words are loaded in the operand's own layout (a thread holds the words of the K columns its
     fragment needs: word c of a row is column 16 j + c of K-chunk j), so each 16-column chunk j is the words' nibble
@@ -191,9 +200,9 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    rows = off_n + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
-    acc0 = gl.zeros([64, BLOCK_M], gl.float32, layout=acc_layout)
-    acc1 = gl.zeros([64, BLOCK_M], gl.float32, layout=acc_layout)
+    rows = off_n + ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
+    acc0 = _opaque_zeros([64, BLOCK_M], acc_layout)
+    acc1 = _opaque_zeros([64, BLOCK_M], acc_layout)
     prev0 = gl.zeros([64, 16], dtype, layout=a_layout)
     prev1 = gl.zeros([64, 16], dtype, layout=a_layout)
     older0 = gl.zeros([64, 16], dtype, layout=a_layout)
@@ -207,8 +216,8 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
         s = t % stages
         phase = (t // stages) & 1
         mbarrier.wait(w_ready.index(s), phase)
-        words0 = w_bufs.index(s).slice(0, 64, dim=0).load(a_layout)
-        words1 = w_bufs.index(s).slice(64, 64, dim=0).load(a_layout)
+        words0 = w_bufs.index(s).slice(ROW0, 64, dim=0).load(a_layout)
+        words1 = w_bufs.index(s).slice(ROW0 + 64, 64, dim=0).load(a_layout)
         fence_async_shared()
         mbarrier.arrive(w_empty.index(s), count=1)
         mbarrier.wait(x_ready.index(s), phase)
@@ -233,8 +242,8 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
             prev0 = a0
             prev1 = a1
     acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-    _store_out(acc0, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
-    _store_out(acc1, bias_ptr, out_ptr, off_m, off_n + 64, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
+    _store_out(acc0, bias_ptr, out_ptr, off_m, off_n + ROW0, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
+    _store_out(acc1, bias_ptr, out_ptr, off_m, off_n + ROW0 + 64, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
 
 
 @gluon.jit
@@ -253,8 +262,7 @@ def _chain_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, 
     rows = off_n + 64 * CHAIN + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
     # No instruction defines the accumulator before its first MMA (use_acc=False): ptxas serializes the wgmma of a
     # worker partition whose accumulator a move zeroes inside Triton's dispatch loop (C7515).
-    acc = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [gl.zeros([64, BLOCK_M], gl.int32, layout=acc_layout)],
-                                    gl.float32, is_pure=False, pack=1)
+    acc = _opaque_zeros([64, BLOCK_M], acc_layout)
     prev = gl.zeros([64, 16], dtype, layout=a_layout)
     older = gl.zeros([64, 16], dtype, layout=a_layout)
     one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
@@ -292,7 +300,7 @@ def _chain_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, 
 def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split, s_stride,
                   out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
                   HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
-                  INFLIGHT: gl.constexpr, CONSUMERS: gl.constexpr):
+                  INFLIGHT: gl.constexpr, CONSUMERS: gl.constexpr, REGS: gl.constexpr = 232):
     """Program (token tile, row tile of 128, K split): K-tiles [split * per_split, ...) of `num_tiles`;
     with PARTIAL its fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction).
     4 warps and the loader warp; INFLIGHT chunks of MMAs run beside the next chunk's dequantization."""
@@ -316,6 +324,18 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, 
         mbarrier.init(w_empty.index(i), count=CONSUMERS)
         mbarrier.init(x_ready.index(i), count=1)
         mbarrier.init(x_empty.index(i), count=CONSUMERS)
+    if BLOCK_N == 256:
+        gl.warp_specialize([
+            (_consumer_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr,
+                                   out_ptr, tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP,
+                                   PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 0)),
+            (_consumer_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr,
+                                   out_ptr, tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP,
+                                   PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 128)),
+            (_load_partition, (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles,
+                               off_n, off_m)),
+        ], [4, 1], [REGS, 24])
+        return
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_chain_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr,
