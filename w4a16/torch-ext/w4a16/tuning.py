@@ -11,10 +11,10 @@ in by TMA; with ``num_stages`` > 1 either is software-pipelined through shared m
 see ``triton_kernels.dot._unit_pair``; ``x_desc`` / ``w_desc``: x and the weight words by TMA descriptors, where
 x's rows are 16-byte aligned;
 ``nf4_tables``: NF4 operands by byte permutes rather than gathers, on by default where PTX runs;
-``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``wgmma``: where
-`wgmma_supported`, run the experimental Gluon kernel `triton_kernels.wgmma` instead, a dict of its ``block_m``,
-``num_stages`` (TMA ring of words and x) and ``split_k``; no shipped
-table or heuristic sets it; ``mma``, in any config: where `mma_supported`, run the Gluon
+``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``wgmma`` (in a dot or
+dequant config): where `wgmma_supported`, run the Gluon kernel `triton_kernels.wgmma` instead, a dict of its
+``block_m``, ``block_n``, ``consumers``, ``inflight``, ``num_stages`` (TMA ring of words and x) and ``split_k``;
+``mma``, in any config: where `mma_supported`, run the Gluon
 tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`` (8, 16, 32 or 64), ``num_warps``,
 ``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration), ``x_smem`` (x through shared memory),
 ``stages`` (a cp.async ring of that many slots for the words, x, scales and zero points, where
@@ -28,8 +28,8 @@ dict: keys that replace its own when the activations are bf16 (`for_activations`
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
 dtype, device and weight format, the one place where those choices are made: ``"gemv"`` becomes
-``"gemv_h2"`` (the packed-fp16 GEMV's own tiles merged in) or the portable ``"gemv"``; a dot config with
-``wgmma`` becomes ``"wgmma"`` where that kernel applies; a dot config's
+``"gemv_h2"`` (the packed-fp16 GEMV's own tiles merged in) or the portable ``"gemv"``; a dot or dequant config
+with ``wgmma`` becomes ``"wgmma"`` where that kernel applies; a dot config's
 ``packed`` is kept only where the format allows it; with the SwiGLU epilogue the plan
 says ``"swiglu": True`` and its row tiles pair gate and up rows. Launchers run a plan as it is.
 """
@@ -317,7 +317,8 @@ def _kernel_plan(config: dict, x: torch.Tensor, codebook, group_size: int, swigl
             # the cp.async ring copies x's rows in 16-byte pieces; other rows take the one-stage loop
             plan.update(stages=1, x_smem=True)
         return plan
-    if config["kernel"] == "dot" and config.get("wgmma") and wgmma_supported(x, codebook, group_size, swiglu):
+    if config["kernel"] in ("dot", "dequant") and config.get("wgmma") and wgmma_supported(x, codebook, group_size,
+                                                                                         swiglu):
         return {**config["wgmma"], "kernel": "wgmma"}
     plan = _format_plan(config, x, codebook, group_size, has_mins, has_zeros)
     if not swiglu:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 
 from triton import knobs
 from triton.experimental import gluon
@@ -60,11 +61,20 @@ def unloop_worker_dispatch(ptx: str) -> str:
     return head + "\n" + exit_block + tail
 
 
+def _unlooped_ptx(ptx: str) -> str:
+    edited = unloop_worker_dispatch(ptx)
+    if edited is ptx:
+        warnings.warn("w4a16: this Triton's warp-specialized PTX is not the shape unloop_worker_dispatch knows "
+                      "(Triton 3.6's); the two-consumer wgmma kernel runs with its MMAs serialized (slower, "
+                      "still exact)", stacklevel=2)
+    return edited
+
+
 def _unlooped_ptx_stages(backend, stages, options, language, capability, chained=None):
     if chained is not None:
         chained(backend, stages, options, language, capability)
     make_ptx = stages["ptx"]
-    stages["ptx"] = lambda src, metadata: unloop_worker_dispatch(make_ptx(src, metadata))
+    stages["ptx"] = lambda src, metadata: _unlooped_ptx(make_ptx(src, metadata))
 
 
 @contextlib.contextmanager
