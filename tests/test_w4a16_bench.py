@@ -79,3 +79,21 @@ def test_merge_compare_takes_symmetric_results_and_bf16_overrides():
     assert table["shapes"]["6144x4096"]["1"] == {"kernel": "gemv", "block_n": 8, "bf16": {"mma": {"tiles": 4}}}
     assert len(merge_compare(table, {"env": env, "fmt": "int4", "group": 128, "rows": rows})) == 1
     assert table["shapes"]["6144x4096"]["1"] == {"kernel": "dot", "bf16": {"mma": {"tiles": 4}}}
+
+
+def test_merge_compare_keeps_larger_m_on_what_it_ran():
+    """A winner at a table's largest bucket would also run every larger M: an M measured above all of a changed
+    entry's buckets keeps the config it ran, as a bucket of its own; an unchanged entry gets none."""
+    env = {"date": "d", "torch": "t", "triton": "tr", "cuda": "c", "command": "cmd"}
+    dequant = {"kernel": "dequant", "chunk_n": 0}
+    rows = []
+    for shape, m, shipped_us, candidate_us in (("L3-8B qkv", 1024, 10.0, 8.0), ("L3-8B qkv", 4096, 40.0, 44.0),
+                                              ("L3-8B o", 1024, 10.0, 9.9), ("L3-8B o", 4096, 40.0, 44.0)):
+        rows += [{"shape": shape, "m": m, "impl": "shipped", "us": shipped_us, "config": dequant},
+                 {"shape": shape, "m": m, "impl": "candidate", "us": candidate_us,
+                  "config": {**dequant, "wgmma": {"block_m": 128}}}]
+    table = {"shapes": {"6144x4096": {"1024": dequant}, "4096x4096": {"1024": dequant}}}
+    changes = merge_compare(table, {"env": env, "fmt": "int4", "group": 128, "rows": rows})
+    assert len(changes) == 2
+    assert table["shapes"]["6144x4096"] == {"1024": {**dequant, "wgmma": {"block_m": 128}}, "4096": dequant}
+    assert table["shapes"]["4096x4096"] == {"1024": dequant}

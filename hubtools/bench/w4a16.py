@@ -723,7 +723,8 @@ def _override(config: dict, variant: dict) -> dict:
 def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.03) -> list[str]:
     """Put the fastest verified launch of a `compare_decode` result into `table` for each of `shapes` and
     each M measured (its bucket), where it beats the shipped config timed beside it by more than `min_gain`
-    (smaller differences are run-to-run noise); returns one line per change. Shapes outside `shapes` (the
+    (smaller differences are run-to-run noise); returns one line per change. An M measured above all of a changed
+    entry's buckets keeps the config it ran as a bucket of its own. Shapes outside `shapes` (the
     untuned ones that check the heuristic) are never written. A result with bf16 x goes into the entry's
     ``"bf16"`` override (`tuning.for_activations`): the winner's keys that differ from the entry tuned with fp16
     x, which must exist; an fp16 winner keeps the override of the entry it replaces."""
@@ -745,6 +746,7 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
         elif row["impl"] == "candidate" and (key not in best or row["us"] < best[key]["us"]):
             best[key] = row
     changes = []
+    touched = set()
     for key, row in sorted(best.items()):
         label, m = key
         if key in shipped and row["us"] > shipped[key]["us"] * (1 - min_gain):
@@ -763,8 +765,18 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
         else:  # an entry's bf16 override stays: it says what bf16 x runs, whatever fp16 x now runs
             kept = entries.get(str(m), {}).get("bf16")
             entries[str(m)] = config if kept is None else {**config, "bf16": kept}
+        touched.add(label)
         changes.append(f"{label} M={m}{' bf16' if x_dtype == 'bfloat16' else ''}: {was} -> {row['us']:.1f} us "
                        f"{json.dumps(config, sort_keys=True)}")
+    # An entry's largest bucket also runs every larger M: where this merge changed a shape, each M measured above
+    # all its buckets keeps the config it ran when measured (a winner at M = 1024 must not take M = 4096 along)
+    for (label, m), row in sorted(shipped.items()):
+        k, n = labels[label]
+        entries = table.get("shapes", {}).get(f"{n}x{k}", {})
+        if label in touched and all(int(bucket) < m for bucket in entries):
+            entries[str(m)] = row["config"]
+            changes.append(f"{label} M={m}: keeps {json.dumps(row['config'], sort_keys=True)} (a bucket below "
+                           "changed)")
     env = result["env"]
     table.setdefault("measured", []).append({key: env[key] for key in ("date", "torch", "triton", "cuda", "command")})
     return changes

@@ -62,6 +62,8 @@ def unloop_worker_dispatch(ptx: str) -> str:
 
 
 def _unlooped_ptx(ptx: str) -> str:
+    if ".entry _wgmma_kernel(" not in ptx:  # another kernel compiled meanwhile (another thread): not ours to edit
+        return ptx
     edited = unloop_worker_dispatch(ptx)
     if edited is ptx:
         warnings.warn("w4a16: this Triton's warp-specialized PTX is not the shape unloop_worker_dispatch knows "
