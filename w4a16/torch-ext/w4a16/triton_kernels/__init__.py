@@ -11,8 +11,9 @@ All accumulation is fp32 (the packed-fp16 GEMV, `_gemv_h2_kernel`, sums 8 produc
 offsets that scale with M, N or K are 64-bit.
 
 Modules: `gemv` (CUDA-core GEMV / split-K for a few tokens: the fp32 `_gemv_kernel` and the packed-fp16
-`_gemv_h2_kernel`), `dot` (tensor cores, dequantization in the K loop), `wgmma` (Hopper only, in Gluon, experimental: a
-TMA loader warp beside a warpgroup dequantizing into the register operand of asynchronous wgmma), `dequant` (the dequantize kernel),
+`_gemv_h2_kernel`), `dot` (tensor cores, dequantization in the K loop), `wgmma` (Hopper only, in Gluon: a TMA
+loader warp beside one or two warpgroups dequantizing into the register operand of asynchronous wgmma), `warp_specialize` (the
+edit of Triton 3.6's warp-specialized PTX that lets `wgmma`'s second warpgroup pipeline), `dequant` (the dequantize kernel),
 `common` (bit tricks and the split-K reduction they share), `launch` (grids, configs, the entry points below).
 """
 

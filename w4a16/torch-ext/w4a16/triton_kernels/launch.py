@@ -191,7 +191,8 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from .wgmma import _wgmma_kernel, unlooped_workers
+    from .warp_specialize import unlooped_workers
+    from .wgmma import _wgmma_kernel
 
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
     inflight, consumers = plan.get("inflight", 1), plan.get("consumers", 1)
@@ -210,7 +211,7 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
                              gl.NVMMASharedLayout.get_default_for([block_m, 128], x_type))
     w_desc = GluonDescriptor(qweight, list(qweight.shape), [qweight.stride(0), 1], [block_n, WORDS_PER_TILE],
                              gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE], gl.int32))
-    with unlooped_workers() if consumers == 2 else contextlib.nullcontext():
+    with unlooped_workers("_wgmma_kernel") if consumers == 2 else contextlib.nullcontext():
         _wgmma_kernel[(triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)](
             x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(bias, scales), target,
             m, n, num_tiles, per_split, scales.stride(0), target.stride(-2),

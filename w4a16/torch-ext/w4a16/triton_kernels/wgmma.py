@@ -1,14 +1,16 @@
-"""The Hopper tensor-core matmul for M >= 64 in Gluon (experimental: no table or heuristic selects it yet).
+"""The Hopper tensor-core matmul for M >= 256 in Gluon (the H100 table selects it at M = 256-4096 where it wins).
 
 Triton's own pipeliner builds the dot path's operands on the warps that issue the MMA and overlaps nothing within
 a program (`dot._dot_kernel`, docs/design/w4a16.md E2-E8); Triton 3.6's automatic warp specialization fails on
-dequantization loops. Here a CTA is two partitions sharing mbarrier rings:
+dequantization loops. Here a CTA is partitions sharing mbarrier rings:
 
-- a loader warp brings each 128-column K-tile by TMA: the tile's packed words ``[128, 16]`` and x's ``[BLOCK_M, 128]`` (zero-filled past M and K);
-- the default warpgroup dequantizes each 16-column K-chunk straight into the wgmma register operand (RS wgmma,
-  weight rows as the MMA's M, tokens as its N) while the previous chunk's MMA runs, then writes ``out[M, N]``.
-  Nibble j of word c is column ``16 j + c`` (`formats`), so chunk j is nibble j of the words, which a thread
-  loads in the operand's own layout.
+- a loader warp brings each 128-column K-tile by TMA: the tile's packed words ``[BLOCK_N, 16]`` and x's
+  ``[BLOCK_M, 128]`` (zero-filled past M and K);
+- one warpgroup per 128 rows of the tile (``consumers`` 1 or 2; with two, a 128- or 256-row tile) dequantizes each
+  16-column K-chunk straight into the wgmma register operand (RS wgmma, weight rows as the MMA's M, tokens as its
+  N) while the previous chunk's MMA runs, then writes ``out[M, N]``. Nibble j of word c is column ``16 j + c``
+  (`formats`), so chunk j is nibble j of the words, which a thread loads in the operand's own layout. A second
+  warpgroup runs as a worker partition, pipelined only through `warp_specialize.unlooped_workers` (E40).
 
 Formats: int4 with scale groups of 32, 64 or multiples of 128, or per channel; integer zero points, symmetric
 or float minima; fp16 or bf16 activations. The dequantized operand is rounded to x's dtype once, as the
@@ -17,11 +19,6 @@ with the operand made by warps of their own into a shared-memory ring (commit 55
 
 from __future__ import annotations
 
-import contextlib
-import re
-import warnings
-
-from triton import knobs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -31,65 +28,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-
-
-_LOOP_HEADER = re.compile(r"^(\$L__BB\d+_\d+):[^\n]*\n\s*// =>This Loop Header: Depth=1$", re.M)
-
-
-def unloop_worker_dispatch(ptx: str) -> str:
-    """The kernel's PTX with Triton's worker dispatch loop opened: each worker partition runs once and exits.
-
-    Triton 3.6 lowers `gl.warp_specialize` to a loop in which the worker warps wait for a partition index and
-    jump to their code through a table, then wait again (a program here specializes once: the second index is
-    always "exit"). Inside that loop ptxas gives the worker's code only the kernel's launch register budget and
-    serializes every wgmma of the function (C7512, C7515), so a second dequantizing warpgroup cost more than it
-    added (docs/design/w4a16.md E39). Sending each branch back to the loop header to the exit instead (one more
-    barrier, as the header's, then ``ret``) leaves the same program without the loop. PTX of another shape is
-    returned unchanged."""
-    brx = ptx.find("brx.idx")
-    headers = [m for m in _LOOP_HEADER.finditer(ptx, 0, brx if brx >= 0 else 0)]
-    if brx < 0 or not headers:
-        return ptx
-    header = headers[-1].group(1)
-    back = f"\tbra.uni \t{header};"
-    entry = ptx.find(back)
-    if entry < 0 or entry > headers[-1].start() or ptx.count(back) < 2 or "$L__ws_exit" in ptx:
-        return ptx
-    head, tail = ptx[:entry + len(back)], ptx[entry + len(back):]
-    tail = tail.replace(back, "\tbra.uni \t$L__ws_exit;")
-    exit_block = "$L__ws_exit:\n\tbarrier.sync \t1;\n\tret;\n"
-    return head + "\n" + exit_block + tail
-
-
-def _unlooped_ptx(ptx: str) -> str:
-    if ".entry _wgmma_kernel(" not in ptx:  # another kernel compiled meanwhile (another thread): not ours to edit
-        return ptx
-    edited = unloop_worker_dispatch(ptx)
-    if edited is ptx:
-        warnings.warn("w4a16: this Triton's warp-specialized PTX is not the shape unloop_worker_dispatch knows "
-                      "(Triton 3.6's); the two-consumer wgmma kernel runs with its MMAs serialized (slower, "
-                      "still exact)", stacklevel=2)
-    return edited
-
-
-def _unlooped_ptx_stages(backend, stages, options, language, capability, chained=None):
-    if chained is not None:
-        chained(backend, stages, options, language, capability)
-    make_ptx = stages["ptx"]
-    stages["ptx"] = lambda src, metadata: _unlooped_ptx(make_ptx(src, metadata))
-
-
-@contextlib.contextmanager
-def unlooped_workers():
-    """Compiles within this block get `unloop_worker_dispatch` (Triton's stage hook, restored after; a hook set
-    by someone else still runs first)."""
-    previous = knobs.runtime.add_stages_inspection_hook
-    knobs.runtime.add_stages_inspection_hook = (
-        lambda *args: _unlooped_ptx_stages(*args, chained=previous))
-    try:
-        yield
-    finally:
-        knobs.runtime.add_stages_inspection_hook = previous
 
 
 @gluon.jit
