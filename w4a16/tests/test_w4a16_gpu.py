@@ -268,12 +268,9 @@ WGMMA_FORMATS = [(False, 128), (True, 128), (True, 256), (False, -1), (True, -1)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tiles", [{"block_m": 128, "num_stages": 4}, {"block_m": 64, "num_stages": 4, "split_k": 3},
                                    {"block_m": 128, "num_stages": 3, "inflight": 2},
-                                   {"block_m": 64, "num_stages": 4, "split_k": 3, "consumers": 2, "inflight": 2},
-                                   {"block_m": 128, "num_stages": 3, "consumers": 2},
-                                   {"block_m": 128, "block_n": 256, "num_stages": 3, "consumers": 2, "inflight": 2},
-                                   {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3, "consumers": 2}],
-                         ids=["128x128", "64x128-split3", "128x128-inflight2", "64x128-split3-2consumers",
-                              "128x128-2consumers", "128x256-2consumers", "64x256-split3-2consumers"])
+                                   {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2},
+                                   {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3}],
+                         ids=["128x128", "64x128-split3", "128x128-inflight2", "128x256-inflight2", "64x256-split3"])
 @pytest.mark.parametrize("m", [64, 300])
 def test_wgmma_vs_float64(k, zero_point, group_size, dtype, tiles, m):
     """The Gluon kernel (a TMA loader warp beside a warpgroup dequantizing into its register operand) on poisoned
@@ -403,15 +400,15 @@ def test_mma_gemv_leaves_formats_it_does_not_take_to_the_config_beneath(k):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma is Hopper's (sm_90a)")
 def test_wgmma_refuses_tiles_it_does_not_have(k):
-    """The row tile is 128 (two 64-row accumulator chains); others are a ValueError naming block_n; so are an
-    `inflight` or `consumers` other than 1 or 2."""
-    qw = k.quantize(_weight(512, 1024, torch.float16), group_size=128)
+    """The row tile is 128 or 256 rows (a dequantizing warpgroup per 128) and must divide the padded rows; other
+    tiles are a ValueError naming block_n; so is an `inflight` other than 1 or 2."""
+    qw = k.quantize(_weight(384, 1024, torch.float16), group_size=128)
     x = torch.randn(128, 1024, device="cuda", dtype=torch.float16)
     for tiles, name in (({"block_m": 128, "block_n": 256}, "block_n"), ({"block_m": 64, "block_n": 64}, "block_n"),
-                        ({"block_m": 64, "inflight": 3}, "inflight"), ({"block_m": 64, "consumers": 3}, "consumers")):
-        config = {**k.tuning.heuristic(128, 512, 1024, 132), "wgmma": tiles}
+                        ({"block_m": 64, "inflight": 3}, "inflight")):
+        config = {**k.tuning.heuristic(128, 384, 1024, 132), "wgmma": tiles}
         with pytest.raises(ValueError, match=name):
-            k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, None, 512, 1024, 128, config)
+            k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, None, 384, 1024, 128, config)
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])

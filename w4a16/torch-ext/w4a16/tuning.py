@@ -13,7 +13,8 @@ x's rows are 16-byte aligned;
 ``nf4_tables``: NF4 operands by byte permutes rather than gathers, on by default where PTX runs;
 ``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``wgmma`` (in a dot or
 dequant config): where `wgmma_supported`, run the Gluon kernel `triton_kernels.wgmma` instead, a dict of its
-``block_m``, ``block_n``, ``consumers``, ``inflight``, ``num_stages`` (TMA ring of words and x) and ``split_k``;
+``block_m``, ``block_n`` (128 or 256 rows: one or two dequantizing warpgroups), ``inflight``, ``num_stages``
+(TMA ring of words and x) and ``split_k``;
 ``mma``, in any config: where `mma_supported`, run the Gluon
 tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`` (8, 16, 32 or 64), ``num_warps``,
 ``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration), ``x_smem`` (x through shared memory),

@@ -185,7 +185,7 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
 
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     """`wgmma._wgmma_kernel` (Hopper only, `tuning.wgmma_supported`): one program per (token tile, row tile of
-    128, K split), x and the words by host descriptors (encoded per launch, captured by value
+    128 or 256, K split), x and the words by host descriptors (encoded per launch, captured by value
     in CUDA graphs)."""
     # imported here: Triton builds without Gluon's Hopper ops never reach this launcher (`wgmma_supported`)
     from triton.experimental.gluon import language as gl
@@ -195,14 +195,12 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
     from .wgmma import _wgmma_kernel
 
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
-    inflight, consumers = plan.get("inflight", 1), plan.get("consumers", 1)
-    if not (block_n == 128 or (block_n == 256 and consumers == 2 and qweight.shape[0] % 256 == 0)):
-        raise ValueError("config: wgmma block_n must be 128 (two 64-row accumulator chains), or 256 with consumers 2 "
-                         f"where it divides the padded rows ({qweight.shape[0]}); got {plan}")
+    inflight = plan.get("inflight", 1)
+    if block_n not in (128, 256) or qweight.shape[0] % block_n:
+        raise ValueError("config: wgmma block_n (rows per tile: a dequantizing warpgroup per 128) must be 128 or 256 "
+                         f"and divide the padded rows ({qweight.shape[0]}); got {plan}")
     if inflight not in (1, 2):
         raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1 or 2; got {plan}")
-    if consumers not in (1, 2):
-        raise ValueError(f"config: wgmma consumers (warpgroups dequantizing) must be 1 or 2; got {plan}")
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
     splits, target = _split_targets(x, out, n, num_tiles, per_split)
@@ -211,13 +209,13 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
                              gl.NVMMASharedLayout.get_default_for([block_m, 128], x_type))
     w_desc = GluonDescriptor(qweight, list(qweight.shape), [qweight.stride(0), 1], [block_n, WORDS_PER_TILE],
                              gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE], gl.int32))
-    with unlooped_workers("_wgmma_kernel") if consumers == 2 else contextlib.nullcontext():
+    with unlooped_workers("_wgmma_kernel") if block_n == 256 else contextlib.nullcontext():
         _wgmma_kernel[(triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)](
             x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(bias, scales), target,
             m, n, num_tiles, per_split, scales.stride(0), target.stride(-2),
             GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
             HAS_MIN=mins is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
-            STAGES=plan.get("num_stages", 4), INFLIGHT=inflight, CONSUMERS=consumers, num_warps=4,
+            STAGES=plan.get("num_stages", 4), INFLIGHT=inflight, num_warps=4,
         )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False)

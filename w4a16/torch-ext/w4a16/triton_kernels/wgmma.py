@@ -6,7 +6,7 @@ dequantization loops. Here a CTA is partitions sharing mbarrier rings:
 
 - a loader warp brings each 128-column K-tile by TMA: the tile's packed words ``[BLOCK_N, 16]`` and x's
   ``[BLOCK_M, 128]`` (zero-filled past M and K);
-- one warpgroup per 128 rows of the tile (``consumers`` 1 or 2; with two, a 128- or 256-row tile) dequantizes each
+- one warpgroup per 128 rows of the tile (``block_n`` 128 or 256: one or two consumers) dequantizes each
   16-column K-chunk straight into the wgmma register operand (RS wgmma, weight rows as the MMA's M, tokens as its
   N) while the previous chunk's MMA runs, then writes ``out[M, N]``. Nibble j of word c is column ``16 j + c``
   (`formats`), so chunk j is nibble j of the words, which a thread loads in the operand's own layout. A second
@@ -129,21 +129,20 @@ def _chain_step(words, j: gl.constexpr, params, acc, x_chunk):
 
 
 @gluon.jit
-def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr,
-                        tile0, num_tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP: gl.constexpr,
-                        PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, INFLIGHT: gl.constexpr, ROW0: gl.constexpr = 0):
+def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
+                        HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, INFLIGHT: gl.constexpr,
+                        ROW0: gl.constexpr):
     """Dequantization into the MMA's register operand beside the previous chunk's asynchronous MMA, then the
     output. The words are loaded in the operand's own layout (a thread holds the words of the K columns its
     fragment needs: word c of a row is column 16 j + c of K-chunk j), so each 16-column chunk j is the words' nibble
-    j, dequantized in place. The 128 rows run as two 64-row chains with accumulators of their own: one warpgroup's
-    operand of several MMA repetitions, or two warpgroups, made ptxas serialize every wgmma (C7515, "non wgmma
-    instructions defining accumulator registers"); separate chains on one warpgroup do not (four chains for 256
-    rows pipelined too, but measured slower: docs/design/w4a16.md E13). ptxas also serializes the wgmma of any
-    worker partition (Triton runs workers inside a dispatch loop that also holds their accumulators' zeroing), so
-    a second consumer warpgroup, which would have to be a worker, measured 13 % slower than this one (E39).
-    INFLIGHT (1 or 2): the chunks whose MMAs may still run when the next chunk's dequantization starts; each keeps
-    its operand registers live until the wait that retires it."""
+    j, dequantized in place. A warpgroup's 128 rows (from ROW0 in the tile) run as two 64-row chains with
+    accumulators of their own: one operand of several MMA repetitions made ptxas serialize every wgmma (C7515,
+    "non wgmma instructions defining accumulator registers"); separate chains do not (docs/design/w4a16.md E12,
+    E13). As a worker partition it pipelines only with its accumulators zeroed by `_opaque_zeros` and its PTX
+    edited (`warp_specialize`, E40). INFLIGHT (1 or 2): the chunks whose MMAs may still run when the next chunk's
+    dequantization starts; each keeps its operand registers live until the wait that retires it."""
+    (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, tile0, num_tiles,
+     off_n, off_m, split, M, N, s_stride, out_stride) = operands
     stages: gl.constexpr = w_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
     dtype: gl.constexpr = x_bufs.dtype
@@ -197,63 +196,14 @@ def _consumer_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_pt
 
 
 @gluon.jit
-def _chain_partition(w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr,
-                     tile0, num_tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP: gl.constexpr,
-                     PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, INFLIGHT: gl.constexpr, CHAIN: gl.constexpr):
-    """`_consumer_partition` for one 64-row chain (rows 64 CHAIN on) of the row tile, for a warpgroup of its own:
-    with two of them each ring slot is released by both (barriers of count 2)."""
-    stages: gl.constexpr = w_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
-    dtype: gl.constexpr = x_bufs.dtype
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_M, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    rows = off_n + 64 * CHAIN + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
-    # No instruction defines the accumulator before its first MMA (use_acc=False): ptxas serializes the wgmma of a
-    # worker partition whose accumulator a move zeroes inside Triton's dispatch loop (C7515).
-    acc = _opaque_zeros([64, BLOCK_M], acc_layout)
-    prev = gl.zeros([64, 16], dtype, layout=a_layout)
-    older = gl.zeros([64, 16], dtype, layout=a_layout)
-    one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
-    for t in range(num_tiles):
-        tile = tile0 + t
-        if one_group:
-            params = _group_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP, s_stride, rows,
-                                   HAS_ZERO, HAS_MIN, dtype)
-        s = t % stages
-        phase = (t // stages) & 1
-        mbarrier.wait(w_ready.index(s), phase)
-        words = w_bufs.index(s).slice(64 * CHAIN, 64, dim=0).load(a_layout)
-        fence_async_shared()
-        mbarrier.arrive(w_empty.index(s), count=1)
-        mbarrier.wait(x_ready.index(s), phase)
-        x_tile = x_bufs.index(s)
-        for j in gl.static_range(8):
-            if not one_group and (16 * j) % GROUP == 0:
-                params = _group_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows, HAS_ZERO,
-                                       HAS_MIN, dtype)
-            a, acc = _chain_step(words, j, params, acc, x_tile.slice(16 * j, 16, dim=1).permute((1, 0)))
-            if INFLIGHT == 1:
-                acc, prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, prev))
-            else:
-                acc, older = warpgroup_mma_wait(num_outstanding=2, deps=(acc, older))
-                older = prev
-            if j == INFLIGHT - 1:
-                mbarrier.arrive(x_empty.index((t + stages - 1) % stages), count=1, pred=t > 0)
-            prev = a
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    _store_out(acc, bias_ptr, out_ptr, off_m, off_n + 64 * CHAIN, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
-
-
-@gluon.jit
 def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split, s_stride,
                   out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
                   HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
-                  INFLIGHT: gl.constexpr, CONSUMERS: gl.constexpr, REGS: gl.constexpr = 232):
-    """Program (token tile, row tile of 128, K split): K-tiles [split * per_split, ...) of `num_tiles`;
+                  INFLIGHT: gl.constexpr):
+    """Program (token tile, row tile of 128 or 256, K split): K-tiles [split * per_split, ...) of `num_tiles`;
     with PARTIAL its fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction).
-    4 warps and the loader warp; INFLIGHT chunks of MMAs run beside the next chunk's dequantization."""
+    A consumer warpgroup per 128 rows (the first the default partition, a second a worker) and the loader warp;
+    INFLIGHT chunks of MMAs run beside the next chunk's dequantization."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
@@ -269,39 +219,24 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, 
     w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    consumers: gl.constexpr = BLOCK_N // 128
     for i in gl.static_range(STAGES):
         mbarrier.init(w_ready.index(i), count=1)
-        mbarrier.init(w_empty.index(i), count=CONSUMERS)
+        mbarrier.init(w_empty.index(i), count=consumers)
         mbarrier.init(x_ready.index(i), count=1)
-        mbarrier.init(x_empty.index(i), count=CONSUMERS)
-    if BLOCK_N == 256:
+        mbarrier.init(x_empty.index(i), count=consumers)
+    operands = (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, tile0, tiles,
+                off_n, off_m, split, M, N, s_stride, out_stride)
+    loader = (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles, off_n, off_m)
+    if consumers == 2:
+        # the worker's wgmma pipeline only in PTX edited by `warp_specialize.unlooped_workers` (the launcher's)
         gl.warp_specialize([
-            (_consumer_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr,
-                                   out_ptr, tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP,
-                                   PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 0)),
-            (_consumer_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr,
-                                   out_ptr, tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP,
-                                   PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 128)),
-            (_load_partition, (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles,
-                               off_n, off_m)),
-        ], [4, 1], [REGS, 24])
-        return
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_chain_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr,
-                                out_ptr, tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP,
-                                PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 0)),
-            (_chain_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr,
-                                out_ptr, tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP,
-                                PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 1)),
-            (_load_partition, (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles,
-                               off_n, off_m)),
+            (_consumer_partition, (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 0)),
+            (_consumer_partition, (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 128)),
+            (_load_partition, loader),
         ], [4, 1], [232, 24])
-        return
-    gl.warp_specialize([
-        (_consumer_partition, (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr,
-                               out_ptr, tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride, GROUP,
-                               PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT)),
-        (_load_partition, (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles, off_n,
-                           off_m)),
-    ], [1], [24])
+    else:
+        gl.warp_specialize([
+            (_consumer_partition, (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 0)),
+            (_load_partition, loader),
+        ], [1], [24])
