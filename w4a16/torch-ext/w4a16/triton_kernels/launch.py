@@ -209,7 +209,8 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
                              gl.NVMMASharedLayout.get_default_for([block_m, 128], x_type))
     w_desc = GluonDescriptor(qweight, list(qweight.shape), [qweight.stride(0), 1], [block_n, WORDS_PER_TILE],
                              gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE], gl.int32))
-    with unlooped_workers("_wgmma_kernel") if block_n == 256 else contextlib.nullcontext():
+    # a 256-row tile's second warpgroup is a worker partition, which pipelines only in the edited PTX
+    with unlooped_workers(_wgmma_kernel.__name__) if block_n == 256 else contextlib.nullcontext():
         _wgmma_kernel[(triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)](
             x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(bias, scales), target,
             m, n, num_tiles, per_split, scales.stride(0), target.stride(-2),
