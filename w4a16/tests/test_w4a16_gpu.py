@@ -7,6 +7,8 @@ round dequantized weights to the activation dtype, so relative Frobenius errors 
 and 1e-2 (bf16).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -258,13 +260,15 @@ def test_packed_dot_vs_float64(k, zero_point, group_size, dtype, block_m, block_
     _check_launch(k, x, qw, bias, config)
 
 
-WGMMA_FORMATS = [(False, 128), (True, 128), (True, 256), (False, -1), (True, -1), (False, 32), (True, 64),
-                 ("float", 32), ("float", 128)]  # (zero_point, group_size)
+WGMMA_FORMATS = [("int4", False, 128), ("int4", True, 128), ("int4", True, 256), ("int4", False, -1),
+                 ("int4", True, -1), ("int4", False, 32), ("int4", True, 64), ("int4", "float", 32),
+                 ("int4", "float", 128), ("nf4", False, 64), ("nf4", False, 32), ("nf4", False, 128),
+                 ("nf4", False, -1)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma is Hopper's (sm_90a)")
-@pytest.mark.parametrize("zero_point,group_size", WGMMA_FORMATS)
+@pytest.mark.parametrize("fmt,zero_point,group_size", WGMMA_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tiles", [{"block_m": 128, "num_stages": 4}, {"block_m": 64, "num_stages": 4, "split_k": 3},
                                    {"block_m": 128, "num_stages": 3, "inflight": 2},
@@ -272,22 +276,57 @@ WGMMA_FORMATS = [(False, 128), (True, 128), (True, 256), (False, -1), (True, -1)
                                    {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3}],
                          ids=["128x128", "64x128-split3", "128x128-inflight2", "128x256-inflight2", "64x256-split3"])
 @pytest.mark.parametrize("m", [64, 300])
-def test_wgmma_vs_float64(k, zero_point, group_size, dtype, tiles, m):
+def test_wgmma_vs_float64(k, fmt, zero_point, group_size, dtype, tiles, m):
     """The Gluon kernel (a TMA loader warp beside a warpgroup dequantizing into its register operand) on poisoned
-    outputs against float64: M = 300 leaves a partial token tile, N = 3000 a partial row tile, K = 5000 (per channel) a partial
-    K-tile that TMA zero-fills; many K-tiles, so every ring slot is reused many times."""
+    outputs against float64: M = 300 leaves a partial token tile, N = 3000 a partial row tile, K = 5000 (per
+    channel) a partial K-tile that TMA zero-fills; many K-tiles, so every ring slot is reused many times."""
     n, kk = 3000, 5120 if group_size != -1 else 5000
-    qw = k.quantize(_weight(n, kk, dtype, seed=8), group_size=group_size, zero_point=zero_point)
+    qw = k.quantize(_weight(n, kk, dtype, seed=8), group_size=group_size, zero_point=zero_point, fmt=fmt)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
+    _check_wgmma(k, x, qw, bias, tiles)
+
+
+def _check_wgmma(k, x, qw, bias, tiles):
+    """`_check_launch` of the wgmma tiles `tiles`, and the same bits from a second launch (a race between the
+    partitions would move the result between launches)."""
+    (m, kk), n = x.shape, qw.shape[0]
     config = {**k.tuning.heuristic(m, n, kk, 132), "wgmma": tiles}
-    assert k.tuning.resolve(config, x, None, group_size, has_mins=zero_point == "float",
-                            has_zeros=zero_point is True)["kernel"] == "wgmma"
+    assert k.tuning.resolve(config, x, qw.codebook, qw.group_size, has_mins=qw.mins is not None,
+                            has_zeros=qw.zeros is not None)["kernel"] == "wgmma"
     _check_launch(k, x, qw, bias, config)
-    # a race between the partitions would move the result between launches
-    first, second = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, bias, n, kk, group_size, config,
-                                             mins=qw.mins) for _ in range(2))
+    first, second = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, qw.codebook, bias, n, kk,
+                                             qw.group_size, config, mins=qw.mins) for _ in range(2))
     assert torch.equal(first, second)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="wgmma is Hopper's (sm_90a)")
+@pytest.mark.parametrize("group_size", [32, 64, -1])
+@pytest.mark.parametrize("dtype,scale_dtype", [(torch.float16, torch.float16), (torch.float16, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("tiles", [{"block_m": 128, "num_stages": 4},
+                                   {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2}],
+                         ids=["128x128", "128x256-inflight2"])
+def test_wgmma_nf4_operand_is_the_dequantized_weight(k, group_size, dtype, scale_dtype, tiles):
+    """NF4's register operand equals the dequantize path's weight bit for bit: the codebook rounded to fp16 times
+    the scale, rounded once to x's dtype (float32 scales, as bitsandbytes stores its absmax, are moved off the
+    fp16 grid so that rounding them first would show). Each row of x is one-hot, so each output is one weight."""
+    n, kk, m = 1000, 3072 if group_size != -1 else 3000, 256
+    qw = k.quantize(_weight(n, kk, dtype, seed=3), group_size=group_size, fmt="nf4")
+    if scale_dtype == torch.float32:
+        qw = dataclasses.replace(qw, scales=qw.scales.float() * (1 + 2.0 ** -13))
+    cpu = qw.to("cpu")
+    weight = k.reference.dequantize(cpu.qweight, cpu.scales, None, None, cpu.codebook.half().float(), None, n, kk,
+                                    group_size, dtype)
+    columns = torch.randperm(kk, generator=torch.Generator().manual_seed(0))[:m]
+    x = torch.zeros(m, kk, dtype=dtype)
+    x[torch.arange(m), columns] = 1
+    config = {**k.tuning.heuristic(m, n, kk, 132), "wgmma": tiles}
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    k.triton_kernels.matmul(x.cuda(), qw.qweight, qw.scales, None, qw.codebook, None, n, kk, group_size, config,
+                            out=out)
+    assert torch.equal(out.cpu(), weight[:, columns].t())
 
 
 MMA_FORMATS = [("int4", True, 128), ("int4", False, 128), ("int4", True, -1), ("int4", False, 32), ("int4", True, 32),

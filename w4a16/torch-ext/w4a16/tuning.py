@@ -240,11 +240,11 @@ def half2_supported(x, codebook, group_size, has_mins: bool = False, has_zeros: 
 
 def wgmma_supported(x, codebook, group_size, swiglu: bool = False) -> bool:
     """Whether the Gluon tensor-core kernel (`triton_kernels.wgmma`) applies: a Hopper GPU
-    (wgmma is sm_90a only), fp16 / bf16 activations whose rows TMA can read (16-byte aligned), int4 with scale
-    groups of 32, 64, multiples of 128 or per channel, no SwiGLU epilogue. Elsewhere its config runs as the dot
-    or dequantize config it sits in."""
-    return (codebook is None and _gluon_applies(x, group_size, swiglu, "wgmma")
-            and torch.cuda.get_device_capability(x.device) == (9, 0) and tma_rows(x))
+    (wgmma is sm_90a only), fp16 / bf16 activations whose rows TMA can read (16-byte aligned), int4 or NF4 with
+    scale groups of 32, 64, multiples of 128 or per channel, no SwiGLU epilogue. Elsewhere its config runs as the
+    dot or dequantize config it sits in."""
+    return (_gluon_applies(x, group_size, swiglu, "wgmma") and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and tma_rows(x))
 
 
 def mma_supported(x, codebook, group_size, swiglu: bool = False, has_mins: bool = False) -> bool:

@@ -212,10 +212,10 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
     # a 256-row tile's second warpgroup is a worker partition, which pipelines only in the edited PTX
     with unlooped_workers(_wgmma_kernel.__name__) if block_n == 256 else contextlib.nullcontext():
         _wgmma_kernel[(triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)](
-            x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(bias, scales), target,
-            m, n, num_tiles, per_split, scales.stride(0), target.stride(-2),
+            x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(codebook, scales), _or(bias, scales),
+            target, m, n, num_tiles, per_split, scales.stride(0), target.stride(-2),
             GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
-            HAS_MIN=mins is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
+            HAS_MIN=mins is not None, NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
             STAGES=plan.get("num_stages", 4), INFLIGHT=inflight, num_warps=4,
         )
     if splits > 1:

@@ -106,11 +106,12 @@ _NF4_SHFL_PLANES_ASM, _NF4_SHFL_PLANES_CONSTRAINTS = (gl.constexpr(v) for v in _
 
 
 @gluon.jit
-def _nf4_table(cb_ptr, q: gl.constexpr, HIGH: gl.constexpr, dtype: gl.constexpr):
-    """One lookup table register (`nf4`): byte HIGH of codebook entries 4q .. 4q + 3, each / 16 in `dtype`."""
+def _nf4_table(cb_ptr, q: gl.constexpr, HIGH: gl.constexpr, dtype: gl.constexpr, FACTOR: gl.constexpr):
+    """One lookup table register (`nf4`): byte HIGH of codebook entries 4q .. 4q + 3, each times FACTOR (a power
+    of two, so exact) in `dtype`."""
     t = 0
     for e in gl.static_range(4):
-        bits = (gl.load(cb_ptr + 4 * q + e).to(gl.float32) * 0.0625).to(dtype).to(gl.int16, bitcast=True)
+        bits = (gl.load(cb_ptr + 4 * q + e).to(gl.float32) * FACTOR).to(dtype).to(gl.int16, bitcast=True)
         bits = bits.to(gl.int32) & 0xFFFF
         if HIGH:
             bits = bits >> 8
@@ -119,13 +120,14 @@ def _nf4_table(cb_ptr, q: gl.constexpr, HIGH: gl.constexpr, dtype: gl.constexpr)
 
 
 @gluon.jit
-def _nf4_tables(cb_ptr, z, dtype: gl.constexpr):
-    """The 8 lookup tables of the codebook / 16 in `dtype` (exact: a power of two), as tensors shaped like the
-    zero word tile `z`: low bytes of entries 0-3, 4-7, 8-11, 12-15, then high bytes."""
-    return (z + _nf4_table(cb_ptr, 0, False, dtype), z + _nf4_table(cb_ptr, 1, False, dtype),
-            z + _nf4_table(cb_ptr, 2, False, dtype), z + _nf4_table(cb_ptr, 3, False, dtype),
-            z + _nf4_table(cb_ptr, 0, True, dtype), z + _nf4_table(cb_ptr, 1, True, dtype),
-            z + _nf4_table(cb_ptr, 2, True, dtype), z + _nf4_table(cb_ptr, 3, True, dtype))
+def _nf4_tables(cb_ptr, z, dtype: gl.constexpr, FACTOR: gl.constexpr):
+    """The 8 lookup tables of the codebook times FACTOR in `dtype` (this GEMV's: / 16; the wgmma kernel's: as it
+    is), as tensors shaped like the zero word tile `z`: low bytes of entries 0-3, 4-7, 8-11, 12-15, then high
+    bytes. Shared with `wgmma`."""
+    return (z + _nf4_table(cb_ptr, 0, False, dtype, FACTOR), z + _nf4_table(cb_ptr, 1, False, dtype, FACTOR),
+            z + _nf4_table(cb_ptr, 2, False, dtype, FACTOR), z + _nf4_table(cb_ptr, 3, False, dtype, FACTOR),
+            z + _nf4_table(cb_ptr, 0, True, dtype, FACTOR), z + _nf4_table(cb_ptr, 1, True, dtype, FACTOR),
+            z + _nf4_table(cb_ptr, 2, True, dtype, FACTOR), z + _nf4_table(cb_ptr, 3, True, dtype, FACTOR))
 
 
 @gluon.jit
@@ -350,7 +352,8 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
     nf4_tables = None
     nf4_lane = None
     if NF4:
-        nf4_tables = _nf4_tables(cb_ptr, gl.zeros([BLOCK_N, 16], gl.int32, layout=a_layout), x_ptr.dtype.element_ty)
+        nf4_tables = _nf4_tables(cb_ptr, gl.zeros([BLOCK_N, 16], gl.int32, layout=a_layout), x_ptr.dtype.element_ty,
+                                 0.0625)
         if NF4_SHFL > 0:  # the lookup by warp shuffles reads this lane's entry
             nf4_lane = _nf4_lane_entry(nf4_tables)
     if X_SMEM or RING:

@@ -41,12 +41,13 @@ def _nf4_tables(cb_ptr, SIXTEENTH: tl.constexpr):
             _nf4_quad(cb_ptr, 2, True, SIXTEENTH), _nf4_quad(cb_ptr, 3, True, SIXTEENTH))
 
 
-def nf4_lookup_asm(selector: str, table: int) -> str:
+def nf4_lookup_asm(selector: str, table: int, stride: int = 1) -> str:
     """PTX that looks up the 4 nibbles in the low 16 bits of register `selector` in the tables at operands
-    $table .. $table + 7 (`_nf4_tables`' order): the low bytes of the 4 codebook values / 16 in `lo`, their
-    high bytes in `hi`. Needs .b32 registers s, x, la, lb, ha, hb, lo, hi."""
+    $table, $table + stride, ... (`_nf4_tables`' order; stride 2 where each table is an int32 input of a pack-2
+    asm, which takes an operand per element): the low bytes of the 4 codebook values in `lo`, their high bytes in
+    `hi`. Needs .b32 registers s, x, la, lb, ha, hb, lo, hi."""
     return (f"and.b32 s, {selector}, 0x7777;\nshr.b32 x, {selector}, 1;\nlop3.b32 x, x, 0x4444, 0x3210, 0xea;\n"
-            + nf4_select_asm("s", "x", [f"${table + i}" for i in range(8)]))
+            + nf4_select_asm("s", "x", [f"${table + stride * i}" for i in range(8)]))
 
 
 def nf4_select_asm(selector: str, halves: str, tables: list[str]) -> str:

@@ -13,8 +13,9 @@ dequantization loops. Here a CTA is partitions sharing mbarrier rings:
   warpgroup runs as a worker partition, pipelined only through `warp_specialize.unlooped_workers` (E40).
 
 Formats: int4 with scale groups of 32, 64 or multiples of 128, or per channel; integer zero points, symmetric
-or float minima; fp16 or bf16 activations. The dequantized operand is rounded to x's dtype once, as the
-dequantize + cuBLAS path rounds it (`tuning.wgmma_supported` says where this kernel applies). A first version
+or float minima; NF4 (the codebook looked up by byte permutes, `nf4`, two chunks at a time); fp16 or bf16
+activations. The dequantized operand is rounded to x's dtype once, as the dequantize + cuBLAS path rounds it
+(`tuning.wgmma_supported` says where this kernel applies). A first version
 with the operand made by warps of their own into a shared-memory ring (commit 55b12cc) measured slower."""
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+from .mma import _nf4_tables
+from .nf4 import nf4_lookup_asm
 
 
 @gluon.jit
@@ -60,6 +64,51 @@ def _pair_asm(j, is_fp16):
             f"lop3.b32 p, p, 0x000f000f, {magic:#x}, 0xea; sub.{kind} p, p, $3; fma.rn.{kind} $0, p, $4, $5; }}")
 
 
+def _nf4_chunks_ptx(byte: int, half_scale: bool, is_fp16: bool) -> str:
+    """PTX for NF4 chunks j = 2 byte and j + 1 of two neighbouring words a = $2, b = $3: their bytes `byte` side by
+    side (PRMT) are the codes (a_j, a_j+1, b_j, b_j+1), looked up at once in the codebook's fp16 tables at $4, $6,
+    ..., $18 (`nf4`; an int32 input of a pack-2 asm takes an operand per element), paired per chunk (PRMT) and
+    scaled: with `half_scale` (fp16 x and scales) by one packed fp16 multiply with the scale pair $20, else each
+    value in fp32 times the scale ($20, $21) and rounded once to x's dtype. The dequantize path's arithmetic
+    (`nf4._nf4_pair_planes`). Outputs: $0 chunk j, $1 chunk j + 1, two operand values each."""
+    lines = [".reg .b32 t, s, x, la, lb, ha, hb, lo, hi, p, q;", ".reg .b16 h0, h1;", ".reg .f32 f0, f1;",
+             f"prmt.b32 t, $2, $3, {byte | ((4 + byte) << 4):#x};", nf4_lookup_asm("t", 4, 2).rstrip("\n"),
+             "prmt.b32 p, lo, hi, 0x6240;", "prmt.b32 q, lo, hi, 0x7351;"]
+    for out, pair in (("$0", "p"), ("$1", "q")):
+        if half_scale:
+            lines.append(f"mul.rn.f16x2 {out}, {pair}, $20;")
+        else:
+            lines += [f"mov.b32 {{h0, h1}}, {pair};", "cvt.f32.f16 f0, h0;", "cvt.f32.f16 f1, h1;",
+                      "mul.rn.f32 f0, f0, $20;", "mul.rn.f32 f1, f1, $21;",
+                      f"cvt.rn.{'f16x2' if is_fp16 else 'bf16x2'}.f32 {out}, f1, f0;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# every variant built here, as Gluon's constexpr functions may not call plain Python functions
+_NF4_CHUNKS_PTX = gl.constexpr({(byte, half_scale, is_fp16): _nf4_chunks_ptx(byte, half_scale, is_fp16)
+                                for byte in range(4) for half_scale in (False, True) for is_fp16 in (False, True)})
+
+
+@gluon.constexpr_function
+def _nf4_chunks_asm(j, half_scale, is_fp16):
+    return _NF4_CHUNKS_PTX.value[(j // 2, half_scale, is_fp16)]
+
+
+@gluon.constexpr_function
+def _nf4_chunks_constraints(half_scale):
+    return ",".join(["=r"] * 2 + ["r"] * (2 + 16 + (1 if half_scale else 2)))
+
+
+@gluon.jit
+def _nf4_scale(s_ptr, g, s_stride, rows, dtype: gl.constexpr):
+    """One group's scales for `rows` as `_nf4_chunks_asm` multiplies them: fp16 where x and the scales are, else
+    fp32."""
+    scale = gl.load(s_ptr + g * s_stride + rows)
+    if not (dtype == gl.float16 and s_ptr.dtype.element_ty == gl.float16):
+        scale = scale.to(gl.float32)
+    return scale
+
+
 @gluon.jit
 def _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
                   dtype: gl.constexpr):
@@ -80,10 +129,15 @@ def _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr
 
 @gluon.jit
 def _chain_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
-                  dtype: gl.constexpr):
-    """Group g's parameters for the two 64-row chains from `rows` on."""
-    return (_group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN, dtype),
-            _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN, dtype))
+                  NF4: gl.constexpr, dtype: gl.constexpr):
+    """Group g's parameters for the two 64-row chains from `rows` on: NF4's scales, or int4's (scale, shift,
+    addend)."""
+    if NF4:
+        params = (_nf4_scale(s_ptr, g, s_stride, rows, dtype), _nf4_scale(s_ptr, g, s_stride, rows + 64, dtype))
+    else:
+        params = (_group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN, dtype),
+                  _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN, dtype))
+    return params
 
 
 @gluon.jit
@@ -129,9 +183,22 @@ def _chain_step(words, j: gl.constexpr, params, acc, x_chunk):
 
 
 @gluon.jit
+def _nf4_chunks(words, j: gl.constexpr, scale, tables, x_like):
+    """NF4 K-chunks j and j + 1 (j even) of one 64-row chain as two register operands in x's dtype (`x_like`,
+    `_nf4_chunks_asm`): one lookup serves both, so chunk j + 1's operand is made a chunk early."""
+    dtype = x_like.dtype
+    half_scale: gl.constexpr = scale.dtype == gl.float16
+    t0, t1, t2, t3, t4, t5, t6, t7 = tables
+    return gl.inline_asm_elementwise(_nf4_chunks_asm(j, half_scale, dtype == gl.float16),
+                                     _nf4_chunks_constraints(half_scale),
+                                     [words, t0, t1, t2, t3, t4, t5, t6, t7, scale[:, None]], (dtype, dtype),
+                                     is_pure=True, pack=2)
+
+
+@gluon.jit
 def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
-                        HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, INFLIGHT: gl.constexpr,
-                        ROW0: gl.constexpr):
+                        HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
+                        INFLIGHT: gl.constexpr, ROW0: gl.constexpr):
     """Dequantization into the MMA's register operand beside the previous chunk's asynchronous MMA, then the
     output. The words are loaded in the operand's own layout (a thread holds the words of the K columns its
     fragment needs: word c of a row is column 16 j + c of K-chunk j), so each 16-column chunk j is the words' nibble
@@ -140,9 +207,10 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
     "non wgmma instructions defining accumulator registers"); separate chains do not (docs/design/w4a16.md E12,
     E13). As a worker partition it pipelines only with its accumulators zeroed by `_opaque_zeros` and its PTX
     edited (`warp_specialize`, E40). INFLIGHT (1 or 2): the chunks whose MMAs may still run when the next chunk's
-    dequantization starts; each keeps its operand registers live until the wait that retires it."""
-    (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, tile0, num_tiles,
-     off_n, off_m, split, M, N, s_stride, out_stride) = operands
+    dequantization starts; each keeps its operand registers live until the wait that retires it. NF4 makes the
+    operands of chunks j and j + 1 at even j (`_nf4_chunks`)."""
+    (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, tile0,
+     num_tiles, off_n, off_m, split, M, N, s_stride, out_stride) = operands
     stages: gl.constexpr = w_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
     dtype: gl.constexpr = x_bufs.dtype
@@ -156,12 +224,14 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
     prev1 = gl.zeros([64, 16], dtype, layout=a_layout)
     older0 = gl.zeros([64, 16], dtype, layout=a_layout)
     older1 = gl.zeros([64, 16], dtype, layout=a_layout)
+    if NF4:
+        tables = _nf4_tables(cb_ptr, gl.zeros([64, 16], gl.int32, layout=a_layout), gl.float16, 1.0)
     one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
     for t in range(num_tiles):
         tile = tile0 + t
         if one_group:  # issued before the barrier waits, so its latency overlaps them
             params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP, s_stride,
-                                             rows, HAS_ZERO, HAS_MIN, dtype)
+                                             rows, HAS_ZERO, HAS_MIN, NF4, dtype)
         s = t % stages
         phase = (t // stages) & 1
         mbarrier.wait(w_ready.index(s), phase)
@@ -174,10 +244,20 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
         for j in gl.static_range(8):
             if not one_group and (16 * j) % GROUP == 0:
                 params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows,
-                                                 HAS_ZERO, HAS_MIN, dtype)
+                                                 HAS_ZERO, HAS_MIN, NF4, dtype)
             x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
-            a0, acc0 = _chain_step(words0, j, params0, acc0, x_chunk)
-            a1, acc1 = _chain_step(words1, j, params1, acc1, x_chunk)
+            if NF4:
+                if j % 2 == 0:  # (j + 1's operands are kept for the next chunk)
+                    a0, next0 = _nf4_chunks(words0, j, params0, tables, x_chunk)
+                    a1, next1 = _nf4_chunks(words1, j, params1, tables, x_chunk)
+                else:
+                    a0 = next0
+                    a1 = next1
+                acc0 = warpgroup_mma(a0, x_chunk, acc0, is_async=True)
+                acc1 = warpgroup_mma(a1, x_chunk, acc1, is_async=True)
+            else:
+                a0, acc0 = _chain_step(words0, j, params0, acc0, x_chunk)
+                a1, acc1 = _chain_step(words1, j, params1, acc1, x_chunk)
             # retires the chunk INFLIGHT before this one, whose operand registers stay live until here; when that is
             # the previous tile's last chunk, its x slot goes back to the loader
             if INFLIGHT == 1:
@@ -196,10 +276,10 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
 
 
 @gluon.jit
-def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split, s_stride,
-                  out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
-                  HAS_MIN: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
-                  INFLIGHT: gl.constexpr):
+def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split,
+                  s_stride, out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
+                  HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
+                  STAGES: gl.constexpr, INFLIGHT: gl.constexpr):
     """Program (token tile, row tile of 128 or 256, K split): K-tiles [split * per_split, ...) of `num_tiles`;
     with PARTIAL its fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction).
     A consumer warpgroup per 128 rows (the first the default partition, a second a worker) and the loader warp;
@@ -225,18 +305,21 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, M, N, 
         mbarrier.init(w_empty.index(i), count=consumers)
         mbarrier.init(x_ready.index(i), count=1)
         mbarrier.init(x_empty.index(i), count=consumers)
-    operands = (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, bias_ptr, out_ptr, tile0, tiles,
-                off_n, off_m, split, M, N, s_stride, out_stride)
+    operands = (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
+                tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride)
     loader = (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles, off_n, off_m)
     if consumers == 2:
         # the worker's wgmma pipeline only in PTX edited by `warp_specialize.unlooped_workers` (the launcher's)
         gl.warp_specialize([
-            (_consumer_partition, (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 0)),
-            (_consumer_partition, (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 128)),
+            (_consumer_partition,
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, 0)),
+            (_consumer_partition,
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, 128)),
             (_load_partition, loader),
         ], [4, 1], [232, 24])
     else:
         gl.warp_specialize([
-            (_consumer_partition, (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, HAS_BIAS, PARTIAL, INFLIGHT, 0)),
+            (_consumer_partition,
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, 0)),
             (_load_partition, loader),
         ], [1], [24])
