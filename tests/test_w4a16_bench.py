@@ -97,3 +97,29 @@ def test_merge_compare_keeps_larger_m_on_what_it_ran():
     assert len(changes) == 2
     assert table["shapes"]["6144x4096"] == {"1024": {**dequant, "wgmma": {"block_m": 128}}, "4096": dequant}
     assert table["shapes"]["4096x4096"] == {"1024": dequant}
+
+
+def test_merge_compare_puts_nf4_winners_into_nf4_keys():
+    """An NF4 result writes the winning wgmma tile into the bucket's "nf4" keys and leaves the int4 config as it
+    is; a winner without wgmma removes the override; a winner that differs from the shipped NF4 launch in other
+    keys is not written."""
+    env = {"date": "d", "torch": "t", "triton": "tr", "cuda": "c", "command": "cmd"}
+    dot = {"kernel": "dot", "block_m": 64}
+    tile = {"block_m": 128, "block_n": 256, "split_k": 2}
+    rows = []
+    for shape, m, candidate in (("L3-8B qkv", 256, {**dot, "wgmma": tile}), ("L3-8B o", 256, dot),
+                                ("L3-70B o", 256, {**dot, "block_m": 128, "wgmma": tile})):
+        shipped = {**dot, "wgmma": tile} if shape == "L3-8B o" else dot
+        rows += [{"shape": shape, "m": m, "impl": "shipped", "us": 10.0, "config": shipped},
+                 {"shape": shape, "m": m, "impl": "candidate", "us": 8.0, "config": candidate}]
+    int4 = {"kernel": "dot", "block_m": 64, "wgmma": {"block_m": 128}}
+    table = {"shapes": {"6144x4096": {"256": dict(int4)}, "4096x4096": {"256": {**int4, "nf4": {"wgmma": tile}}},
+                        "8192x8192": {"256": dict(int4)}}}
+    changes = merge_compare(table, {"env": env, "fmt": "nf4", "group": 64, "rows": rows})
+    assert len(changes) == 3
+    assert [c for c in changes if "not written" in c] == [c for c in changes if c.startswith("L3-70B o")]
+    assert table["shapes"]["6144x4096"]["256"] == {**int4, "nf4": {"wgmma": tile}}
+    assert table["shapes"]["4096x4096"]["256"] == int4
+    assert table["shapes"]["8192x8192"]["256"] == int4
+    with pytest.raises(ValueError, match="NF4 with fp16 x"):
+        merge_compare(table, {"env": env, "fmt": "nf4", "group": 64, "x_dtype": "bfloat16", "rows": rows})

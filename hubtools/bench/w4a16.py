@@ -727,12 +727,15 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     entry's buckets keeps the config it ran as a bucket of its own. Shapes outside `shapes` (the
     untuned ones that check the heuristic) are never written. A result with bf16 x goes into the entry's
     ``"bf16"`` override (`tuning.for_activations`): the winner's keys that differ from the entry tuned with fp16
-    x, which must exist; an fp16 winner keeps the override of the entry it replaces."""
+    x, which must exist; an fp16 winner keeps the override of the entry it replaces. An NF4 result (fp16 x, any
+    group size) goes into the entry's ``"nf4"`` keys (`tuning.nf4_tiles`), which hold the wgmma tile only: a
+    winner that differs from the shipped NF4 launch in anything else is not written."""
     measured = (result.get("fmt", "int4"), result.get("group", GROUP), result.get("zero_point", False))
     x_dtype = result.get("x_dtype", "float16")
-    if measured != ("int4", GROUP, False) or x_dtype not in ("float16", "bfloat16"):
-        raise ValueError(f"the table is tuned on symmetric int4 g{GROUP} with fp16 x (bf16 x as overrides); this "
-                         f"result is {result.get('fmt')} g{result.get('group')}, zero points "
+    nf4 = measured[0] == "nf4" and x_dtype == "float16"
+    if not nf4 and (measured != ("int4", GROUP, False) or x_dtype not in ("float16", "bfloat16")):
+        raise ValueError(f"the table is tuned on symmetric int4 g{GROUP} with fp16 x (bf16 x and NF4 with fp16 x as "
+                         f"overrides); this result is {result.get('fmt')} g{result.get('group')}, zero points "
                          f"{result.get('zero_point', False)}, x {x_dtype}")
     labels = {label: (k, n) for label, k, n in shapes}
     best: dict[tuple, dict] = {}
@@ -752,9 +755,13 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
         if key in shipped and row["us"] > shipped[key]["us"] * (1 - min_gain):
             continue
         k, n = labels[label]
+        was = f"{shipped[key]['us']:.1f}" if key in shipped else "-"
+        if nf4:
+            changes.append(_merge_nf4(table.get("shapes", {}).get(f"{n}x{k}", {}), label, m, row,
+                                      shipped.get(key), was))
+            continue
         entries = table.setdefault("shapes", {}).setdefault(f"{n}x{k}", {})
         config = {name: value for name, value in row["config"].items() if name != "bf16"}
-        was = f"{shipped[key]['us']:.1f}" if key in shipped else "-"
         if x_dtype == "bfloat16":
             entry = entries.get(str(m))
             if entry is None:
@@ -780,6 +787,23 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     env = result["env"]
     table.setdefault("measured", []).append({key: env[key] for key in ("date", "torch", "triton", "cuda", "command")})
     return changes
+
+
+def _merge_nf4(entries: dict, label: str, m: int, row: dict, shipped: dict | None, was: str) -> str:
+    """`merge_compare` of one NF4 winner: its wgmma tile into the bucket's ``"nf4"`` keys (none: the override
+    goes); one line saying what was done."""
+    entry = entries.get(str(m))
+    if entry is None or shipped is None:
+        return f"{label} M={m} nf4: no tuned entry or shipped launch to set an override against; not written"
+    differs = sorted(name for name in set(row["config"]) | set(shipped["config"])
+                     if name != "wgmma" and row["config"].get(name) != shipped["config"].get(name))
+    if differs:
+        return f"{label} M={m} nf4: the winner differs from the shipped launch in {differs}, not only wgmma; not written"
+    if row["config"].get("wgmma"):
+        entry["nf4"] = {"wgmma": row["config"]["wgmma"]}
+    else:
+        entry.pop("nf4", None)
+    return f"{label} M={m} nf4: {was} -> {row['us']:.1f} us {json.dumps(entry.get('nf4'), sort_keys=True)}"
 
 
 def stand_in_table(kernel, device_name: str, table_path=None):

@@ -291,6 +291,30 @@ def test_nf4_dequantizes_where_its_wide_tiles_leave_sms_idle(k):
     assert k.tuning.select(64, 28672, 4096, torch.device("cpu"), nf4_group=64)["num_warps"] == 8
 
 
+def test_nf4_takes_the_wgmma_tile_only_from_its_own_keys(k):
+    """An entry's int4 `wgmma` tile is not NF4's (E42: issue-bound there); its ``"nf4"`` keys are, and int4 weights
+    never see them."""
+    wgmma = {"block_m": 128, "block_n": 256, "num_stages": 3}
+    int4 = {**k.tuning.heuristic(256, 28672, 4096, 132), "wgmma": wgmma}
+    assert "wgmma" not in k.tuning.nf4_tiles(int4, 256, 28672, 132, 64)
+    assert k.tuning.nf4_tiles(int4, 256, 28672, 132, 64) == k.tuning.nf4_tiles(
+        {key: value for key, value in int4.items() if key != "wgmma"}, 256, 28672, 132, 64)
+    nf4_wgmma = {**wgmma, "split_k": 2}
+    both = {**int4, "nf4": {"wgmma": nf4_wgmma}}
+    assert k.tuning.nf4_tiles(both, 256, 28672, 132, 64)["wgmma"] == nf4_wgmma
+    assert "nf4" not in k.tuning.nf4_tiles(both, 256, 28672, 132, 64)
+
+
+def test_select_leaves_nf4_keys_to_nf4_weights(k, monkeypatch):
+    """A table entry's ``"nf4"`` keys reach NF4 weights only: int4 gets the entry without them."""
+    entry = {**k.tuning.heuristic(256, 4096, 4096, 132), "nf4": {"wgmma": {"block_m": 128}}}
+    monkeypatch.setattr(k.tuning, "table", lambda name: {"shapes": {"4096x4096": {"256": entry}}})
+    cpu = torch.device("cpu")
+    assert "nf4" not in k.tuning.select(256, 4096, 4096, cpu)
+    assert k.tuning.select(256, 4096, 4096, cpu)["kernel"] == entry["kernel"]
+    assert k.tuning.select(256, 4096, 4096, cpu, nf4_group=64)["wgmma"] == {"block_m": 128}
+
+
 def test_heuristic_runs_up_to_32_tokens_on_the_mma_gemv(k):
     """Untuned shapes take the mma GEMV up to 32 tokens (a 32-token tile above 16), the dot path above."""
     plans = {m: k.tuning.heuristic(m, 22016, 4096, 132).get("mma") for m in (1, 4, 16, 17, 32, 33, 64)}

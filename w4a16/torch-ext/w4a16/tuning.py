@@ -25,7 +25,9 @@ the dequantize kernel's programs, and ``nf4_tables`` as for dot, there also off 
 config may also say ``"pdl": False``: the packed-fp16 and mma GEMVs and the dot kernel (and their split-K
 reductions) then launch in stream order instead of as programmatic dependents of the kernel before
 (`triton_kernels.launch.dependent_launch`, on by default where sm_90+ runs). And any config may hold a ``"bf16"``
-dict: keys that replace its own when the activations are bf16 (`for_activations`).
+dict: keys that replace its own when the activations are bf16 (`for_activations`), and an ``"nf4"`` dict: keys
+that replace its own for NF4 weights (`nf4_tiles`; so far the ``wgmma`` tile, which NF4 does not take from the
+int4 config).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
 dtype, device and weight format, the one place where those choices are made: ``"gemv"`` becomes
@@ -158,7 +160,9 @@ def select(m: int, n: int, k: int, device: torch.device, nf4_group: int | None =
     if entry is None and device.type != "cpu":
         _note_heuristic(name, n, k)
     config = _bucket(entry, m) if entry else heuristic(m, n, k, sm_count, tuned.get("heuristic"))
-    return config if nf4_group is None else nf4_tiles(config, m, n, sm_count, nf4_group)
+    if nf4_group is not None:
+        return nf4_tiles(config, m, n, sm_count, nf4_group)
+    return {key: value for key, value in config.items() if key != "nf4"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,6 +175,18 @@ def _note_heuristic(device_name: str, n: int, k: int) -> None:
 
 
 def nf4_tiles(config: dict, m: int, n: int, sm_count: int, group_size: int) -> dict:
+    """An int4 config made NF4's (`_nf4_int4_tiles`), then the entry's ``"nf4"`` keys. NF4 does not take the int4
+    config's ``wgmma`` tile: its codebook lookup makes that kernel issue-bound, ~2 us per 256 x 128 x 128 tile
+    step on the H100 whatever M (docs/design/w4a16.md E42, runs 120-121), so it wins only where dequantize +
+    cuBLAS costs more than that (M = 256-512 on the larger Llama-3 shapes) and loses from M = 768 on every shape,
+    by up to 1.6x. Where it wins, the table names the tile in the entry's ``"nf4"`` keys (`merge_compare` of NF4
+    results)."""
+    override = config.get("nf4", {})
+    int4 = {key: value for key, value in config.items() if key not in ("wgmma", "nf4")}
+    return {**_nf4_int4_tiles(int4, m, n, sm_count, group_size), **override}
+
+
+def _nf4_int4_tiles(config: dict, m: int, n: int, sm_count: int, group_size: int) -> dict:
     """An int4 tensor-core config made NF4's. The NF4 operands cross shared memory after their byte-permute
     lookup (`triton_kernels.nf4`), and on the H200 (2026-12-01, docs/design/w4a16.md E3, 4 shapes, groups of 64)
     8-warp tiles beat the int4 ones: 128 weight rows on 8 warps up to M = 64 (8-18 % faster), 256 tokens x 128
