@@ -315,6 +315,16 @@ def test_select_leaves_nf4_keys_to_nf4_weights(k, monkeypatch):
     assert k.tuning.select(256, 4096, 4096, cpu, nf4_group=64)["wgmma"] == {"block_m": 128}
 
 
+def test_wgmma_split_fills_the_waves(k):
+    """`wgmma_split` takes the split of the fewest tile steps: the tuned splits of the H100 table at their own M
+    (runs 115-122), and more splits where a token tile count leaves a second wave mostly empty."""
+    split = k.tuning.wgmma_split
+    assert [split(m, 8192, 28672, 128, 256, 132) for m in (256, 512, 640, 1024)] == [2, 1, 4, 1]  # 70B down
+    assert [split(m, 4096, 14336, 128, 256, 132) for m in (256, 512, 1024)] == [4, 2, 1]  # 8B down
+    assert [split(m, 57344, 8192, 128, 256, 132) for m in (64, 256, 4096)] == [1, 1, 1]  # 70B gate_up
+    assert split(4096, 4096, 4096, 128, 256, 132) == 1
+
+
 def test_heuristic_runs_up_to_32_tokens_on_the_mma_gemv(k):
     """Untuned shapes take the mma GEMV up to 32 tokens (a 32-token tile above 16), the dot path above."""
     plans = {m: k.tuning.heuristic(m, 22016, 4096, 132).get("mma") for m in (1, 4, 16, 17, 32, 33, 64)}

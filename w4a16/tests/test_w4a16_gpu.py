@@ -302,6 +302,22 @@ def _check_wgmma(k, x, qw, bias, tiles):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma is Hopper's (sm_90a)")
+@pytest.mark.parametrize("fmt,zero_point,group_size,dtype", [("int4", True, 128, torch.float16),
+                                                             ("nf4", False, 64, torch.bfloat16)])
+@pytest.mark.parametrize("m,split", [(64, 4), (300, 2), (700, 1)])
+def test_wgmma_auto_split_vs_float64(k, fmt, zero_point, group_size, dtype, m, split):
+    """``"split_k": "auto"`` runs `tuning.wgmma_split`'s choice (here each of 1, 2 and 4) on poisoned outputs
+    against float64."""
+    n, kk = 3000, 5120
+    assert k.tuning.wgmma_split(m, 3072, kk, 128, 256, 132) == split
+    qw = k.quantize(_weight(n, kk, dtype, seed=8), group_size=group_size, zero_point=zero_point, fmt=fmt)
+    x = torch.randn(m, kk, device="cuda", dtype=dtype)
+    _check_wgmma(k, x, qw, None, {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
+                                  "split_k": "auto"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="wgmma is Hopper's (sm_90a)")
 @pytest.mark.parametrize("group_size", [32, 64, -1])
 @pytest.mark.parametrize("dtype,scale_dtype", [(torch.float16, torch.float16), (torch.float16, torch.float32),
                                                (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])

@@ -14,7 +14,7 @@ x's rows are 16-byte aligned;
 ``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``wgmma`` (in a dot or
 dequant config): where `wgmma_supported`, run the Gluon kernel `triton_kernels.wgmma` instead, a dict of its
 ``block_m``, ``block_n`` (128 or 256 rows: one or two dequantizing warpgroups), ``inflight``, ``num_stages``
-(TMA ring of words and x) and ``split_k``;
+(TMA ring of words and x) and ``split_k`` (a count, or ``"auto"``: chosen per call by `wgmma_split`);
 ``mma``, in any config: where `mma_supported`, run the Gluon
 tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`` (8, 16, 32 or 64), ``num_warps``,
 ``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration), ``x_smem`` (x through shared memory),
@@ -261,6 +261,32 @@ def wgmma_supported(x, codebook, group_size, swiglu: bool = False) -> bool:
     dot or dequantize config it sits in."""
     return (_gluon_applies(x, group_size, swiglu, "wgmma") and torch.cuda.get_device_capability(x.device) == (9, 0)
             and tma_rows(x))
+
+
+# `wgmma_split`'s cost of a split-K reduction, in tile steps (one K-tile of one program: 1.2-2 us on the H100): its
+# fp32 partials written and read back, at ~5 MB of traffic per step, and ~3 steps for its launch. Fitted on 144
+# measured (shape, M, tile) groups with splits 1 / 2 / 4 (H100, docs/design/w4a16.md runs 114-122: int4 and NF4,
+# tuned and untuned shapes, M = 64-4096): the model's pick ran within 3.6 % of the fastest split, 0.1 % in geomean;
+# anywhere in 4-6 MB and 2-4 steps it stays so.
+WGMMA_SPLIT_BYTES_PER_STEP = 5e6
+WGMMA_SPLIT_LAUNCH_STEPS = 3
+
+
+def wgmma_split(m: int, n: int, k: int, block_m: int, block_n: int, sm_count: int) -> int:
+    """The split-K count (1, 2 or 4) of the wgmma kernel's fewest tile steps on the critical path: the waves of
+    one-per-SM programs times the K-tiles each program runs, plus the reduction's cost for a split. A program
+    holds an SM (232 registers a consumer thread), and its steps take about the same time whatever M, so the grid's
+    waves decide: M = 640 on Llama-3-70B down is 160 programs of 224 K-tiles (two waves, the second 21 % full)
+    unsplit, 640 programs of 56 in five waves at split 4."""
+    programs = -(-m // block_m) * -(-n // block_n)
+    tiles = -(-k // TILE_K)
+
+    def steps(split: int) -> float:
+        waves = -(-programs * split // sm_count)
+        reduction = m * n * (8 * split + 2) / WGMMA_SPLIT_BYTES_PER_STEP + WGMMA_SPLIT_LAUNCH_STEPS
+        return waves * -(-tiles // split) + (reduction if split > 1 else 0)
+
+    return min((1, 2, 4), key=steps)
 
 
 def mma_supported(x, codebook, group_size, swiglu: bool = False, has_mins: bool = False) -> bool:

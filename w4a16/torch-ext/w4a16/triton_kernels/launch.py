@@ -10,7 +10,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..formats import WORDS_PER_TILE
-from ..tuning import interpreting, resolve
+from ..tuning import device_info, interpreting, resolve, wgmma_split
 from .common import _splitk_reduce_kernel
 from .dequant import _dequant_kernel
 from .dot import _dot_kernel
@@ -202,7 +202,10 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
     if inflight not in (1, 2):
         raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1 or 2; got {plan}")
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
-    per_split = triton.cdiv(num_tiles, plan.get("split_k", 1))
+    split = plan.get("split_k", 1)
+    if split == "auto":
+        split = wgmma_split(m, qweight.shape[0], k, block_m, block_n, device_info(x.device)[1])
+    per_split = triton.cdiv(num_tiles, split)
     splits, target = _split_targets(x, out, n, num_tiles, per_split)
     x_type = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
     x_desc = GluonDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 128],
