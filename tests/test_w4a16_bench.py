@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hubtools.bench.w4a16 import GOAL_HEURISTIC_VS_TUNED, _matmul_with, goals, merge_compare, stand_in_table
+from hubtools.bench.w4a16 import (GOAL_HEURISTIC_VS_TUNED, _matmul_with, goals, merge_compare, stand_in_table,
+                                  wgmma_split_regret)
 from hubtools.workspace import Workspace
 
 
@@ -123,3 +124,24 @@ def test_merge_compare_puts_nf4_winners_into_nf4_keys():
     assert table["shapes"]["8192x8192"]["256"] == int4
     with pytest.raises(ValueError, match="NF4 with fp16 x"):
         merge_compare(table, {"env": env, "fmt": "nf4", "group": 64, "x_dtype": "bfloat16", "rows": rows})
+
+
+def test_wgmma_split_regret_scores_the_pick_against_the_fastest_split():
+    """For each shape, M and tile timed at several splits: the picked split's time over the fastest's; tiles timed
+    at one split, "auto" rows and picks that were not timed are left out."""
+    tile = {"block_m": 128, "block_n": 256}
+    rows = [{"shape": "a", "N": 8192, "K": 28672, "m": 640, "us": us, "config": {"wgmma": {**tile, "split_k": s}}}
+            for s, us in ((1, 600.0), (2, 500.0), (4, 450.0))]
+    rows += [{"shape": "b", "N": 4096, "K": 4096, "m": 256, "us": 10.0, "config": {"wgmma": {**tile, "split_k": 2}}},
+             {"shape": "b", "N": 4096, "K": 4096, "m": 256, "us": 9.0, "config": {"wgmma": {**tile, "split_k": "auto"}}},
+             {"shape": "c", "N": 4096, "K": 4096, "m": 64, "us": 5.0, "config": {"wgmma": {**tile, "split_k": 1}}},
+             {"shape": "c", "N": 4096, "K": 4096, "m": 64, "us": 4.0, "config": {"wgmma": {**tile, "split_k": 2}}}]
+    seen = []
+
+    def choose(m, n, k, block_m, block_n, sm_count):
+        seen.append((m, n, k, block_m, block_n, sm_count))
+        return 2 if m == 640 else 4
+
+    scored = wgmma_split_regret(choose, [{"rows": rows}], 132)
+    assert [(r["shape"], r["picked"], r["regret"]) for r in scored] == [("a", 2, 500.0 / 450.0)]
+    assert (640, 8192, 28672, 128, 256, 132) in seen

@@ -789,6 +789,33 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     return changes
 
 
+def wgmma_split_regret(choose: Callable[..., int], results: list[dict], sm_count: int) -> list[dict]:
+    """How `choose` (`tuning.wgmma_split`, or a variant with other constants) does on `compare_decode` results:
+    for each (result, shape, M, wgmma tile) whose splits were timed at two or more counts, the time of the split
+    it picks over the fastest one measured (1.0: it picked the fastest). To check or refit the model's constants on
+    another GPU from a sweep over ``"split_k"`` 1 / 2 / 4 (docs/design/w4a16.md E43)."""
+    timed: dict[tuple, dict] = {}
+    for index, result in enumerate(results):
+        for row in result["rows"]:
+            tile = row.get("config", {}).get("wgmma")
+            if "us" not in row or not tile or not isinstance(tile.get("split_k", 1), int):
+                continue
+            key = (index, row["shape"], row["N"], row["K"], row["m"],
+                   json.dumps({name: value for name, value in tile.items() if name != "split_k"}, sort_keys=True))
+            timed.setdefault(key, {})[tile.get("split_k", 1)] = row["us"]
+    out = []
+    for (_, shape, n, k, m, tile), splits in timed.items():
+        if len(splits) < 2:
+            continue
+        fields = json.loads(tile)
+        rows = -(-n // 128) * 128  # the padded rows the launcher passes (w4a16's formats.PAD_N)
+        picked = choose(m, rows, k, fields["block_m"], fields.get("block_n", 128), sm_count)
+        if picked in splits:
+            out.append({"shape": shape, "m": m, "tile": fields, "picked": picked, "splits": splits,
+                        "regret": splits[picked] / min(splits.values())})
+    return out
+
+
 def _merge_nf4(entries: dict, label: str, m: int, row: dict, shipped: dict | None, was: str) -> str:
     """`merge_compare` of one NF4 winner: its wgmma tile into the bucket's ``"nf4"`` keys (none: the override
     goes); one line saying what was done."""

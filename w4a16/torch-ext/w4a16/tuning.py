@@ -264,10 +264,11 @@ def wgmma_supported(x, codebook, group_size, swiglu: bool = False) -> bool:
 
 
 # `wgmma_split`'s cost of a split-K reduction, in tile steps (one K-tile of one program: 1.2-2 us on the H100): its
-# fp32 partials written and read back, at ~5 MB of traffic per step, and ~3 steps for its launch. Fitted on 144
-# measured (shape, M, tile) groups with splits 1 / 2 / 4 (H100, docs/design/w4a16.md runs 114-122: int4 and NF4,
-# tuned and untuned shapes, M = 64-4096): the model's pick ran within 3.6 % of the fastest split, 0.1 % in geomean;
-# anywhere in 4-6 MB and 2-4 steps it stays so.
+# fp32 partials written and read back, at ~5 MB of traffic per step, and ~3 steps for its launch. Fitted on the
+# H100 (docs/design/w4a16.md E43, `hubtools.bench.w4a16.wgmma_split_regret`): on 170 measured (shape, M, tile)
+# groups with two or more of splits 1 / 2 / 4 (runs 114-122: int4 and NF4, 128- and 256-row tiles, tuned and
+# untuned shapes, M = 64-4096) its pick ran within 3.6 % of the fastest split, 0.1 % in geomean; anywhere in
+# 4-6 MB and 2-4 steps it stays so.
 WGMMA_SPLIT_BYTES_PER_STEP = 5e6
 WGMMA_SPLIT_LAUNCH_STEPS = 3
 
