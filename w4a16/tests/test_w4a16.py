@@ -269,6 +269,7 @@ def test_nf4_takes_its_own_tensor_core_tiles(k):
     for m in (1, 16, 64, 256, 1024):
         int4 = k.tuning.heuristic(m, 28672, 4096, 132)
         nf4 = k.tuning.nf4_tiles(int4, m, 28672, 132, 64)
+        int4 = {key: value for key, value in int4.items() if key != "wgmma"}  # int4's tile is not NF4's (E42)
         assert (nf4 == int4) == (m <= 16 or int4["kernel"] != "dot" or (m <= 64 and int4["block_n"] < 128))
     int4 = k.tuning.heuristic(256, 8192, 8192, 132)
     wide = k.tuning.nf4_tiles(int4, 256, 8192, 132, 64)
@@ -323,6 +324,19 @@ def test_wgmma_split_fills_the_waves(k):
     assert [split(m, 4096, 14336, 128, 256, 132) for m in (256, 512, 1024)] == [4, 2, 1]  # 8B down
     assert [split(m, 57344, 8192, 128, 256, 132) for m in (64, 256, 4096)] == [1, 1, 1]  # 70B gate_up
     assert split(4096, 4096, 4096, 128, 256, 132) == 1
+
+
+def test_heuristic_takes_the_wgmma_tile_on_large_weights_above_256_tokens(k):
+    """Untuned shapes run the 256-row wgmma tile with its split chosen per call at 257-1024 tokens, on weights of
+    16M or more whose padded rows it divides; elsewhere (and off Hopper) the dot / dequantize config."""
+    heuristic = k.tuning.heuristic
+    for m in (300, 512, 1024):
+        assert heuristic(m, 22016, 4096, 132)["wgmma"] == {"block_m": 128, "block_n": 256, "num_stages": 3,
+                                                           "inflight": 2, "split_k": "auto"}
+    assert heuristic(1024, 22016, 4096, 132)["kernel"] == "dequant"
+    for m, n, kk in ((256, 22016, 4096), (1025, 22016, 4096), (64, 22016, 4096), (512, 1536, 8960),
+                     (512, 6016, 4096)):  # M = 256, above 1024, small M, 13.8M weights, 6016 rows
+        assert "wgmma" not in heuristic(m, n, kk, 132), (m, n, kk)
 
 
 def test_heuristic_runs_up_to_32_tokens_on_the_mma_gemv(k):
