@@ -327,16 +327,19 @@ def test_wgmma_split_fills_the_waves(k):
 
 
 def test_heuristic_takes_the_wgmma_tile_on_large_weights_above_256_tokens(k):
-    """Untuned shapes run the 256-row wgmma tile with its split chosen per call at 257-1024 tokens, on weights of
-    16M or more whose padded rows it divides; elsewhere (and off Hopper) the dot / dequantize config."""
+    """Untuned shapes run the 256-row wgmma tile with its split chosen per call at 257-1024 tokens (129 where
+    K >= 8192), on weights of 16M or more whose padded rows it divides; elsewhere (and off Hopper) the dot /
+    dequantize config."""
     heuristic = k.tuning.heuristic
     for m in (300, 512, 1024):
         assert heuristic(m, 22016, 4096, 132)["wgmma"] == {"block_m": 128, "block_n": 256, "num_stages": 3,
                                                            "inflight": 2, "split_k": "auto"}
     assert heuristic(1024, 22016, 4096, 132)["kernel"] == "dequant"
     for m, n, kk in ((256, 22016, 4096), (1025, 22016, 4096), (64, 22016, 4096), (512, 1536, 8960),
-                     (512, 6016, 4096)):  # M = 256, above 1024, small M, 13.8M weights, 6016 rows
+                     (512, 6016, 4096), (128, 4096, 11008)):
+        # M = 256 with K < 8192, above 1024, small M, 13.8M weights, 6016 rows, one token tile
         assert "wgmma" not in heuristic(m, n, kk, 132), (m, n, kk)
+    assert heuristic(129, 4096, 11008, 132)["wgmma"]["split_k"] == "auto"  # K >= 8192: from two token tiles
 
 
 def test_heuristic_runs_up_to_32_tokens_on_the_mma_gemv(k):
