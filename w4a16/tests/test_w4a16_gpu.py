@@ -318,6 +318,22 @@ def test_wgmma_auto_split_vs_float64(k, fmt, zero_point, group_size, dtype, m, s
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma is Hopper's (sm_90a)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [200, 700])
+def test_untuned_shape_runs_the_heuristic_wgmma_tile(k, dtype, m):
+    """A shape no table holds (N x K = 4096 x 8448) takes the heuristic's wgmma tile through `matmul` (split per
+    call), within tolerance of float64 with integer zero points and a bias."""
+    n, kk = 4096, 8448
+    x = torch.randn(m, kk, device="cuda", dtype=dtype)
+    config = k.tuning.select(m, n, kk, x.device)
+    assert k.tuning.resolve(config, x, None, 128, has_zeros=True)["kernel"] == "wgmma"
+    qw = k.quantize(_weight(n, kk, dtype, seed=5), group_size=128, zero_point=True)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    assert _rel_err(k.matmul(x, qw, bias), _reference(k, x, qw, bias)) < TOL[dtype]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="wgmma is Hopper's (sm_90a)")
 @pytest.mark.parametrize("group_size", [32, 64, -1])
 @pytest.mark.parametrize("dtype,scale_dtype", [(torch.float16, torch.float16), (torch.float16, torch.float32),
                                                (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
