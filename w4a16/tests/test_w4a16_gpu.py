@@ -472,11 +472,13 @@ def test_mma_gemv_leaves_formats_it_does_not_take_to_the_config_beneath(k):
                     reason="wgmma is Hopper's (sm_90a)")
 def test_wgmma_refuses_tiles_it_does_not_have(k):
     """The row tile is 128 or 256 rows (a dequantizing warpgroup per 128) and must divide the padded rows; other
-    tiles are a ValueError naming block_n; so is an `inflight` other than 1 or 2."""
+    tiles are a ValueError naming block_n; so is an `inflight` other than 1 or 2, and a `split_k` that is neither a
+    positive count nor "auto"."""
     qw = k.quantize(_weight(384, 1024, torch.float16), group_size=128)
     x = torch.randn(128, 1024, device="cuda", dtype=torch.float16)
     for tiles, name in (({"block_m": 128, "block_n": 256}, "block_n"), ({"block_m": 64, "block_n": 64}, "block_n"),
-                        ({"block_m": 64, "inflight": 3}, "inflight")):
+                        ({"block_m": 64, "inflight": 3}, "inflight"), ({"block_m": 64, "split_k": 0}, "split_k"),
+                        ({"block_m": 64, "split_k": "fastest"}, "split_k")):
         config = {**k.tuning.heuristic(128, 384, 1024, 132), "wgmma": tiles}
         with pytest.raises(ValueError, match=name):
             k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, None, 384, 1024, 128, config)

@@ -205,6 +205,8 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
     split = plan.get("split_k", 1)
     if split == "auto":
         split = wgmma_split(m, qweight.shape[0], k, block_m, block_n, device_info(x.device)[1])
+    elif not isinstance(split, int) or split < 1:
+        raise ValueError(f'config: wgmma split_k must be a positive count or "auto"; got {plan}')
     per_split = triton.cdiv(num_tiles, split)
     splits, target = _split_targets(x, out, n, num_tiles, per_split)
     x_type = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
