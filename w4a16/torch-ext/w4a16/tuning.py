@@ -176,6 +176,8 @@ def select(m: int, n: int, k: int, device: torch.device, nf4_group: int | None =
     config = _bucket(entry, m) if entry else heuristic(m, n, k, sm_count, tuned.get("heuristic"))
     if nf4_group is not None:
         return nf4_tiles(config, m, n, sm_count, nf4_group)
+    if "nf4" not in config:  # no copy on the common path: select runs on every call
+        return config
     return {key: value for key, value in config.items() if key != "nf4"}
 
 
