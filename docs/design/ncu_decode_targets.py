@@ -17,6 +17,8 @@ GPU). Kernels are listed in launch order in the report; the case names are print
 M = 16 on two, cuBLAS fp16 at M = 16 on the same two. `dot`: the tensor-core dot path at M = 256 and cuBLAS beside,
 on 8B gate_up and 70B o (issue #12's M = 16 and M = 256 goals are the furthest from their targets). `wgmma`: the
 Gluon prefill kernel (128-token tiles, 3 stages, two chunks in flight: E37) at M = 256 on the same two shapes.
+`wgmma1024`: the shipped launch at M = 1024 (the table's 256-row wgmma tile on the Llama-3 shapes) on the same two
+shapes, cuBLAS fp16 beside.
 """
 import sys
 
@@ -48,7 +50,7 @@ with loaded_kernel(w4a16_project) as w4a16, loaded_kernel(moe_project) as moe:
                 cases.append((f"cublas {label} M=1", lambda x=x, w=weight: x @ w.t()))
             else:
                 del weight
-    if which & {"mma", "dot", "wgmma"}:
+    if which & {"mma", "dot", "wgmma", "wgmma1024"}:
         for label, k, n in wb.SHAPES:
             weight = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
             qw = w4a16.quantize(weight, group_size=wb.GROUP)
@@ -68,6 +70,11 @@ with loaded_kernel(w4a16_project) as w4a16, loaded_kernel(moe_project) as moe:
                                       {"wgmma": {"block_m": 128, "num_stages": 3, "inflight": 2}})
                 cases.append((f"w4a16 wgmma {label} M=256", lambda x=x, qw=qw, c=config:
                               wb._matmul_with(w4a16, x, qw, c)))
+            if "wgmma1024" in which and label in ("L3-8B gate_up", "L3-70B o"):
+                x = torch.randn(1024, k, device="cuda", dtype=torch.float16)
+                print(label, "M=1024:", w4a16.tuning.select(1024, n, k, x.device), flush=True)
+                cases.append((f"w4a16 {label} M=1024", lambda x=x, qw=qw: w4a16.matmul(x, qw)))
+                cases.append((f"cublas {label} M=1024", lambda x=x, w=weight: x @ w.t()))
             if "mma" in which and label in ("L3-8B qkv", "L3-70B o"):
                 nf4 = w4a16.quantize(weight, group_size=wb.NF4_GROUP, fmt="nf4")
                 x = torch.randn(16, k, device="cuda", dtype=torch.float16)

@@ -237,8 +237,6 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
         mbarrier.wait(w_ready.index(s), phase)
         words0 = w_bufs.index(s).slice(ROW0, 64, dim=0).load(a_layout)
         words1 = w_bufs.index(s).slice(ROW0 + 64, 64, dim=0).load(a_layout)
-        fence_async_shared()
-        mbarrier.arrive(w_empty.index(s), count=1)
         mbarrier.wait(x_ready.index(s), phase)
         x_tile = x_bufs.index(s)
         for j in gl.static_range(8):
@@ -267,6 +265,10 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
                 older0 = prev0
                 older1 = prev1
             if j == INFLIGHT - 1:
+                # the words' slot goes back here, not right after their loads: by now those loads and the group
+                # parameters' have landed, so the release waits for neither (E45)
+                fence_async_shared()
+                mbarrier.arrive(w_empty.index(s), count=1)
                 mbarrier.arrive(x_empty.index((t + stages - 1) % stages), count=1, pred=t > 0)
             prev0 = a0
             prev1 = a1
