@@ -326,6 +326,33 @@ def test_wgmma_split_fills_the_waves(k):
     assert split(4096, 4096, 4096, 128, 256, 132) == 1
 
 
+def test_wgmma_tail_split_splits_only_what_the_last_wave_leaves(k):
+    """`wgmma_tail_split` keeps whole waves of row-tile columns unsplit and splits the rest; where the tiles fill
+    their waves (or every tile is split anyway) it is `wgmma_split`'s one launch."""
+    tail = k.tuning.wgmma_tail_split
+    assert tail(512, 10240, 8192, 128, 256, 132) == (33, 4)  # 70B qkv: 4 x 33 tiles whole, 4 x 7 in quarters
+    assert tail(1024, 10240, 8192, 128, 256, 132) == (33, 2)  # 8 x 33 = 2 waves whole, 8 x 7 in halves
+    assert tail(1024, 4096, 4096, 128, 256, 132) == (16, 1)  # 8B o: 128 tiles in one wave, nothing split
+    assert tail(256, 4096, 4096, 128, 256, 132) == (0, 4)  # 32 tiles: every tile in quarters (`wgmma_split`)
+    assert tail(256, 4096, 4096, 128, 256, 132)[1] == k.tuning.wgmma_split(256, 4096, 4096, 128, 256, 132)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_reduction_writes_only_its_column_slice(k, bias):
+    """The split-K reduction into a column slice of a wider output (the tail launch of ``"split_k": "tail"``):
+    the slice gets the parts' sum in split order (+ its bias), every other element keeps its poison."""
+    gen = _gen(4)
+    m, n, first = 5, 300, 100
+    part = torch.randn(3, m, n - first, generator=gen)
+    bias_t = torch.randn(n, generator=gen).to(torch.float16) if bias else None
+    out = torch.full((m, n), float("nan"), dtype=torch.float16)
+    k.triton_kernels.launch._reduce_splits(part, None if bias_t is None else bias_t[first:], out[:, first:],
+                                           n - first, False)
+    want = part[0] + part[1] + part[2] + (bias_t[first:].float() if bias else 0)
+    assert torch.equal(out[:, first:], want.to(torch.float16))
+    assert out[:, :first].isnan().all()
+
+
 def test_heuristic_takes_the_wgmma_tile_on_large_weights_above_256_tokens(k):
     """Untuned shapes run the 256-row wgmma tile with its split chosen per call at 257-1024 tokens (129 where
     K >= 8192), on weights of 16M or more whose padded rows it divides; elsewhere (and off Hopper) the dot /

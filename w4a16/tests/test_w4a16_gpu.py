@@ -316,6 +316,26 @@ def test_wgmma_auto_split_vs_float64(k, fmt, zero_point, group_size, dtype, m, s
                                   "split_k": "auto"})
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
+                    or torch.cuda.get_device_properties(0).multi_processor_count != 132,
+                    reason="wgmma is Hopper's (sm_90a); the picks are a 132-SM card's")
+@pytest.mark.parametrize("fmt,zero_point,group_size,dtype", [("int4", True, 128, torch.float16),
+                                                             ("int4", False, -1, torch.bfloat16),
+                                                             ("nf4", False, 64, torch.float16)])
+@pytest.mark.parametrize("n,kk,tail", [(5800, 2048, (22, 4)), (7100, 3072, (22, 2))])
+def test_wgmma_tail_split_vs_float64(k, fmt, zero_point, group_size, dtype, n, kk, tail):
+    """``"split_k": "tail"``: the first row-tile columns unsplit (one whole wave: 22 columns of 6 token tiles),
+    the last column in 4 or 2 parts in a second launch whose reduction writes that column slice (its rows partly
+    padding, the last token tile partial), with a bias, on poisoned outputs against float64."""
+    m = 700
+    assert k.tuning.wgmma_tail_split(m, -(-n // 128) * 128, kk, 128, 256, 132) == tail
+    qw = k.quantize(_weight(n, kk, dtype, seed=9), group_size=group_size, zero_point=zero_point, fmt=fmt)
+    x = torch.randn(m, kk, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    _check_wgmma(k, x, qw, bias, {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
+                                  "split_k": "tail"})
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma is Hopper's (sm_90a)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -472,8 +492,8 @@ def test_mma_gemv_leaves_formats_it_does_not_take_to_the_config_beneath(k):
                     reason="wgmma is Hopper's (sm_90a)")
 def test_wgmma_refuses_tiles_it_does_not_have(k):
     """The row tile is 128 or 256 rows (a dequantizing warpgroup per 128) and must divide the padded rows; other
-    tiles are a ValueError naming block_n; so is an `inflight` other than 1 or 2, and a `split_k` that is neither a
-    positive count nor "auto"."""
+    tiles are a ValueError naming block_n; so is an `inflight` other than 1 or 2, and a `split_k` that is not a
+    positive count, "auto" or "tail"."""
     qw = k.quantize(_weight(384, 1024, torch.float16), group_size=128)
     x = torch.randn(128, 1024, device="cuda", dtype=torch.float16)
     for tiles, name in (({"block_m": 128, "block_n": 256}, "block_n"), ({"block_m": 64, "block_n": 64}, "block_n"),

@@ -140,14 +140,14 @@ def _split_sum(part_ptr, offs, mask, stride_split, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N,
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N, out_stride,
                           SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr):
+                          PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr, STRIDED: tl.constexpr):
     """out = sum of the SPLIT fp32 partials ``[SPLIT, M, N]`` in a fixed order (deterministic) + bias, cast once.
     SWIGLU: `out` is ``[M, N // 2]``, silu(gate) * up of the summed fused rows (bias added first); it also runs
     with SPLIT = 1 on the 16-bit product of dequantize + cuBLAS (its SwiGLU epilogue). PDL: launched as a
     programmatic dependent of the split kernel, the next kernel let launch at once, or after the stores with
-    LATE_TRIGGER."""
+    LATE_TRIGGER. STRIDED: `out` is a column slice ``[M, N]`` of rows `out_stride` apart (not with SWIGLU)."""
     _pdl_wait(PDL)
     _pdl_launch_dependents(PDL and not LATE_TRIGGER)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -166,6 +166,8 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N,
         acc = _split_sum(part_ptr, offs, mask, total, SPLIT)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    if STRIDED:
+        offs = (offs // N) * out_stride + offs % N
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     _pdl_launch_dependents(PDL and LATE_TRIGGER)
 

@@ -10,7 +10,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..formats import WORDS_PER_TILE
-from ..tuning import device_info, interpreting, resolve, wgmma_split
+from ..tuning import device_info, interpreting, resolve, wgmma_split, wgmma_tail_split
 from .common import _splitk_reduce_kernel
 from .dequant import _dequant_kernel
 from .dot import _dot_kernel
@@ -45,15 +45,16 @@ def _nf4_shuffled_halves(plan: dict, codebook) -> int:
 
 
 def _reduce_splits(part, bias, out, n, swiglu, pdl: bool = False, late_trigger: bool = False) -> None:
-    """`part` ``[splits, M, n]`` summed (+ bias) into `out`: ``[M, n]``, or with `swiglu` ``[M, n // 2]``; `pdl`:
-    launched as a programmatic dependent of the split kernel, letting the next kernel launch at its start, or with
-    `late_trigger` after its stores."""
-    total = out.numel()
+    """`part` ``[splits, M, n]`` summed (+ bias) into `out`: ``[M, n]`` (or a column slice of a wider output), or
+    with `swiglu` ``[M, n // 2]``; `pdl`: launched as a programmatic dependent of the split kernel, letting the next
+    kernel launch at its start, or with `late_trigger` after its stores."""
+    total = part.shape[1] * (n // 2 if swiglu else n)
+    strided = out.stride(0) != out.shape[1]
     block = 1024
     _splitk_reduce_kernel[(triton.cdiv(total, block),)](
-        part, _or(bias, part), out, total, n,
+        part, _or(bias, part), out, total, n, out.stride(0),
         SPLIT=part.shape[0], HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK=block, PDL=pdl, LATE_TRIGGER=late_trigger,
-        num_warps=4, launch_pdl=pdl,
+        STRIDED=strided, num_warps=4, launch_pdl=pdl,
     )
 
 
@@ -186,7 +187,36 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     """`wgmma._wgmma_kernel` (Hopper only, `tuning.wgmma_supported`): one program per (token tile, row tile of
     128 or 256, K split), x and the words by host descriptors (encoded per launch, captured by value
-    in CUDA graphs)."""
+    in CUDA graphs). ``"split_k"``: a count, ``"auto"`` (`tuning.wgmma_split`) or ``"tail"``
+    (`tuning.wgmma_tail_split`: the first row-tile columns unsplit, the rest split in a second launch)."""
+    m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
+    inflight = plan.get("inflight", 1)
+    if block_n not in (128, 256) or qweight.shape[0] % block_n:
+        raise ValueError("config: wgmma block_n (rows per tile: a dequantizing warpgroup per 128) must be 128 or 256 "
+                         f"and divide the padded rows ({qweight.shape[0]}); got {plan}")
+    if inflight not in (1, 2):
+        raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1 or 2; got {plan}")
+    split = plan.get("split_k", 1)
+    columns = qweight.shape[0] // block_n
+    if split in ("auto", "tail"):
+        sm_count = device_info(x.device)[1]
+        first, split = ((0, wgmma_split(m, qweight.shape[0], k, block_m, block_n, sm_count)) if split == "auto"
+                        else wgmma_tail_split(m, qweight.shape[0], k, block_m, block_n, sm_count))
+        first = columns if split == 1 else first
+    elif not isinstance(split, int) or split < 1:
+        raise ValueError(f'config: wgmma split_k must be a positive count, "auto" or "tail"; got {plan}')
+    else:
+        first = columns if split == 1 else 0
+    params = (scales, zeros, mins, bias)
+    if first:
+        _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, 0, first, 1)
+    if first < columns:
+        _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, first, columns, split)
+
+
+def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, first, last, split) -> None:
+    """One `_wgmma_kernel` launch on row-tile columns [first, last) of the weight, K in `split` parts (then its
+    reduction writes those columns of `out`)."""
     # imported here: Triton builds without Gluon's Hopper ops never reach this launcher (`wgmma_supported`)
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
@@ -195,33 +225,29 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
     from .wgmma import _wgmma_kernel
 
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
-    inflight = plan.get("inflight", 1)
-    if block_n not in (128, 256) or qweight.shape[0] % block_n:
-        raise ValueError("config: wgmma block_n (rows per tile: a dequantizing warpgroup per 128) must be 128 or 256 "
-                         f"and divide the padded rows ({qweight.shape[0]}); got {plan}")
-    if inflight not in (1, 2):
-        raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1 or 2; got {plan}")
+    row0 = first * block_n
+    if row0:  # the columns' own weights, parameters and outputs: views from row0 on, nothing copied
+        qweight, out = qweight[row0:], out[:, row0:]
+        params = tuple(None if p is None else p[..., row0:] for p in params)
+        n -= row0
+    scales, zeros, mins, bias = params
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
-    split = plan.get("split_k", 1)
-    if split == "auto":
-        split = wgmma_split(m, qweight.shape[0], k, block_m, block_n, device_info(x.device)[1])
-    elif not isinstance(split, int) or split < 1:
-        raise ValueError(f'config: wgmma split_k must be a positive count or "auto"; got {plan}')
     per_split = triton.cdiv(num_tiles, split)
     splits, target = _split_targets(x, out, n, num_tiles, per_split)
     x_type = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
     x_desc = GluonDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 128],
                              gl.NVMMASharedLayout.get_default_for([block_m, 128], x_type))
-    w_desc = GluonDescriptor(qweight, list(qweight.shape), [qweight.stride(0), 1], [block_n, WORDS_PER_TILE],
-                             gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE], gl.int32))
+    w_desc = GluonDescriptor(qweight, [(last - first) * block_n, qweight.shape[1]], [qweight.stride(0), 1],
+                             [block_n, WORDS_PER_TILE], gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE],
+                                                                                              gl.int32))
     # a 256-row tile's second warpgroup is a worker partition, which pipelines only in the edited PTX
     with unlooped_workers(_wgmma_kernel.__name__) if block_n == 256 else contextlib.nullcontext():
-        _wgmma_kernel[(triton.cdiv(m, block_m), qweight.shape[0] // block_n, splits)](
+        _wgmma_kernel[(triton.cdiv(m, block_m), last - first, splits)](
             x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(codebook, scales), _or(bias, scales),
             target, m, n, num_tiles, per_split, scales.stride(0), target.stride(-2),
             GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
             HAS_MIN=mins is not None, NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
-            STAGES=plan.get("num_stages", 4), INFLIGHT=inflight, num_warps=4,
+            STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), num_warps=4,
         )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False)
