@@ -306,10 +306,11 @@ def _check_wgmma(k, x, qw, bias, tiles):
                                                              ("nf4", False, 64, torch.bfloat16)])
 @pytest.mark.parametrize("m,split", [(64, 4), (300, 2), (700, 1)])
 def test_wgmma_auto_split_vs_float64(k, fmt, zero_point, group_size, dtype, m, split):
-    """``"split_k": "auto"`` runs `tuning.wgmma_split`'s choice (here each of 1, 2 and 4) on poisoned outputs
-    against float64."""
+    """``"split_k": "auto"`` where it is one launch: `tuning.wgmma_split`'s choice (here each of 1, 2 and 4) on
+    poisoned outputs against float64."""
     n, kk = 3000, 5120
     assert k.tuning.wgmma_split(m, 3072, kk, 128, 256, 132) == split
+    assert k.tuning.wgmma_tail_split(m, 3072, kk, 128, 256, 132) == (0 if split > 1 else 12, split)
     qw = k.quantize(_weight(n, kk, dtype, seed=8), group_size=group_size, zero_point=zero_point, fmt=fmt)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
     _check_wgmma(k, x, qw, None, {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
@@ -324,16 +325,17 @@ def test_wgmma_auto_split_vs_float64(k, fmt, zero_point, group_size, dtype, m, s
                                                              ("nf4", False, 64, torch.float16)])
 @pytest.mark.parametrize("n,kk,tail", [(5800, 2048, (22, 4)), (7100, 3072, (22, 2))])
 def test_wgmma_tail_split_vs_float64(k, fmt, zero_point, group_size, dtype, n, kk, tail):
-    """``"split_k": "tail"``: the first row-tile columns unsplit (one whole wave: 22 columns of 6 token tiles),
-    the last column in 4 or 2 parts in a second launch whose reduction writes that column slice (its rows partly
-    padding, the last token tile partial), with a bias, on poisoned outputs against float64."""
+    """``"split_k": "auto"`` where `wgmma_tail_split` takes two launches: the first row-tile columns unsplit (one
+    whole wave: 22 columns of 6 token tiles), the last column in 4 or 2 parts in a second launch whose reduction
+    writes that column slice (its rows partly padding, the last token tile partial), with a bias, on poisoned
+    outputs against float64."""
     m = 700
     assert k.tuning.wgmma_tail_split(m, -(-n // 128) * 128, kk, 128, 256, 132) == tail
     qw = k.quantize(_weight(n, kk, dtype, seed=9), group_size=group_size, zero_point=zero_point, fmt=fmt)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     _check_wgmma(k, x, qw, bias, {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
-                                  "split_k": "tail"})
+                                  "split_k": "auto"})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -492,8 +494,8 @@ def test_mma_gemv_leaves_formats_it_does_not_take_to_the_config_beneath(k):
                     reason="wgmma is Hopper's (sm_90a)")
 def test_wgmma_refuses_tiles_it_does_not_have(k):
     """The row tile is 128 or 256 rows (a dequantizing warpgroup per 128) and must divide the padded rows; other
-    tiles are a ValueError naming block_n; so is an `inflight` other than 1 or 2, and a `split_k` that is not a
-    positive count, "auto" or "tail"."""
+    tiles are a ValueError naming block_n; so is an `inflight` other than 1 or 2, and a `split_k` that is neither a
+    positive count nor "auto"."""
     qw = k.quantize(_weight(384, 1024, torch.float16), group_size=128)
     x = torch.randn(128, 1024, device="cuda", dtype=torch.float16)
     for tiles, name in (({"block_m": 128, "block_n": 256}, "block_n"), ({"block_m": 64, "block_n": 64}, "block_n"),

@@ -14,8 +14,8 @@ x's rows are 16-byte aligned;
 ``nf4_half_scale``: their group scales by packed fp16 multiplies, on by default; ``wgmma`` (in a dot or
 dequant config): where `wgmma_supported`, run the Gluon kernel `triton_kernels.wgmma` instead, a dict of its
 ``block_m``, ``block_n`` (128 or 256 rows: one or two dequantizing warpgroups), ``inflight``, ``num_stages``
-(TMA ring of words and x) and ``split_k`` (a count; ``"auto"``: chosen per call by `wgmma_split`; ``"tail"``:
-whole waves unsplit and the rest split in a second launch, `wgmma_tail_split`);
+(TMA ring of words and x) and ``split_k`` (a count, or ``"auto"``: chosen per call by `wgmma_tail_split`, whole
+waves of tiles unsplit and the rest split in a second launch where that pays);
 ``mma``, in any config: where `mma_supported`, run the Gluon
 tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`` (8, 16, 32 or 64), ``num_warps``,
 ``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration), ``x_smem`` (x through shared memory),
@@ -288,6 +288,9 @@ def wgmma_supported(x, codebook, group_size, swiglu: bool = False) -> bool:
 # 4-6 MB and 2-4 steps it stays so.
 WGMMA_SPLIT_BYTES_PER_STEP = 5e6
 WGMMA_SPLIT_LAUNCH_STEPS = 3
+# `wgmma_tail_split` takes two launches only where the model says they save more than this share of one launch's
+# steps: the model's picks ran within 3.6 % of the fastest split (above), so a smaller saving is within its error.
+WGMMA_TAIL_MIN_GAIN = 0.03
 
 
 def _wgmma_launch_steps(programs: int, m: int, n: int, tiles: int, split: int, sm_count: int) -> float:
@@ -312,24 +315,25 @@ def wgmma_split(m: int, n: int, k: int, block_m: int, block_n: int, sm_count: in
 
 @functools.lru_cache(maxsize=None)
 def wgmma_tail_split(m: int, n: int, k: int, block_m: int, block_n: int, sm_count: int) -> tuple[int, int]:
-    """``(columns, split)`` for ``"split_k": "tail"``: the first `columns` row-tile columns run unsplit in one
-    launch and the others in `split` parts in a second launch with its reduction, whichever (columns, split) has
-    the fewest tile steps (`_wgmma_launch_steps` of each launch, the second's launch ramp counted too). Whole waves
-    stay unsplit, so only the tiles a partial last wave would leave idle pay for a reduction: Llama-3-70B qkv at
-    M = 512 is 160 tiles on 132 SMs, 132 of them (33 columns) whole and 28 in quarters. ``(0, s)`` and
-    ``(all columns, 1)`` are one launch (`wgmma_split`'s choices)."""
+    """``(columns, split)`` for ``"split_k": "auto"``: the first `columns` row-tile columns run unsplit in one
+    launch and the others in `split` parts in a second launch with its reduction, where that has fewer tile steps
+    (`_wgmma_launch_steps` of each launch, the second's launch ramp counted too) than `wgmma_split`'s one launch by
+    more than `WGMMA_TAIL_MIN_GAIN`. Whole waves stay unsplit, so only the tiles a partial last wave would leave
+    idle pay for a reduction: Llama-3-70B qkv at M = 512 is 160 tiles on 132 SMs, 132 of them (33 columns) whole
+    and 28 in quarters (1.27x faster than `wgmma_split`'s one launch on the H100, docs/design/w4a16.md E48). One launch is
+    ``(0, split)``, or ``(all columns, 1)`` unsplit."""
     token_tiles, columns = -(-m // block_m), -(-n // block_n)
     tiles = -(-k // TILE_K)
     whole = wgmma_split(m, n, k, block_m, block_n, sm_count)
     best = (0, whole) if whole > 1 else (columns, 1)
-    best_steps = _wgmma_launch_steps(token_tiles * columns, m, n, tiles, whole, sm_count)
+    best_steps = one_launch = _wgmma_launch_steps(token_tiles * columns, m, n, tiles, whole, sm_count)
     for first in range(1, columns):
         rest = (columns - first) * block_n
         for split in (2, 4):
             steps = (_wgmma_launch_steps(token_tiles * first, m, first * block_n, tiles, 1, sm_count)
                      + _wgmma_launch_steps(token_tiles * (columns - first), m, rest, tiles, split, sm_count)
                      + WGMMA_SPLIT_LAUNCH_STEPS)
-            if steps < best_steps:
+            if steps < best_steps and steps < one_launch * (1 - WGMMA_TAIL_MIN_GAIN):
                 best, best_steps = (first, split), steps
     return best
 

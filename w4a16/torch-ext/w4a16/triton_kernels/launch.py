@@ -10,7 +10,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..formats import WORDS_PER_TILE
-from ..tuning import device_info, interpreting, resolve, wgmma_split, wgmma_tail_split
+from ..tuning import device_info, interpreting, resolve, wgmma_tail_split
 from .common import _splitk_reduce_kernel
 from .dequant import _dequant_kernel
 from .dot import _dot_kernel
@@ -187,8 +187,8 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     """`wgmma._wgmma_kernel` (Hopper only, `tuning.wgmma_supported`): one program per (token tile, row tile of
     128 or 256, K split), x and the words by host descriptors (encoded per launch, captured by value
-    in CUDA graphs). ``"split_k"``: a count, ``"auto"`` (`tuning.wgmma_split`) or ``"tail"``
-    (`tuning.wgmma_tail_split`: the first row-tile columns unsplit, the rest split in a second launch)."""
+    in CUDA graphs). ``"split_k"``: a count, or ``"auto"`` (`tuning.wgmma_tail_split`: maybe the first row-tile
+    columns unsplit and the rest split in a second launch)."""
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
     inflight = plan.get("inflight", 1)
     if block_n not in (128, 256) or qweight.shape[0] % block_n:
@@ -198,15 +198,13 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
         raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1 or 2; got {plan}")
     split = plan.get("split_k", 1)
     columns = qweight.shape[0] // block_n
-    if split in ("auto", "tail"):
-        sm_count = device_info(x.device)[1]
-        first, split = ((0, wgmma_split(m, qweight.shape[0], k, block_m, block_n, sm_count)) if split == "auto"
-                        else wgmma_tail_split(m, qweight.shape[0], k, block_m, block_n, sm_count))
-        first = columns if split == 1 else first
+    if split == "auto":
+        first, split = wgmma_tail_split(m, qweight.shape[0], k, block_m, block_n, device_info(x.device)[1])
     elif not isinstance(split, int) or split < 1:
-        raise ValueError(f'config: wgmma split_k must be a positive count, "auto" or "tail"; got {plan}')
+        raise ValueError(f'config: wgmma split_k must be a positive count or "auto"; got {plan}')
     else:
-        first = columns if split == 1 else 0
+        first = 0
+    first = columns if split == 1 else first
     params = (scales, zeros, mins, bias)
     if first:
         _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, 0, first, 1)
