@@ -198,13 +198,12 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
         raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1 or 2; got {plan}")
     split = plan.get("split_k", 1)
     columns = qweight.shape[0] // block_n
-    if split == "auto":
+    if split == "auto":  # (columns, 1) unsplit, (0, split) all split, or whole waves then the rest split
         first, split = wgmma_tail_split(m, qweight.shape[0], k, block_m, block_n, device_info(x.device)[1])
     elif not isinstance(split, int) or split < 1:
         raise ValueError(f'config: wgmma split_k must be a positive count or "auto"; got {plan}')
     else:
-        first = 0
-    first = columns if split == 1 else first
+        first = columns if split == 1 else 0
     params = (scales, zeros, mins, bias)
     if first:
         _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, 0, first, 1)
