@@ -320,21 +320,22 @@ def wgmma_tail_split(m: int, n: int, k: int, block_m: int, block_n: int, sm_coun
     (`_wgmma_launch_steps` of each launch, the second's launch ramp counted too) than `wgmma_split`'s one launch by
     more than `WGMMA_TAIL_MIN_GAIN`. Whole waves stay unsplit, so only the tiles a partial last wave would leave
     idle pay for a reduction: Llama-3-70B qkv at M = 512 is 160 tiles on 132 SMs, 132 of them (33 columns) whole
-    and 28 in quarters (1.27x faster than `wgmma_split`'s one launch on the H100, docs/design/w4a16.md E48). One launch is
-    ``(0, split)``, or ``(all columns, 1)`` unsplit."""
+    and 28 in quarters (1.27x faster than `wgmma_split`'s one launch on the H100, docs/design/w4a16.md E48). One
+    launch is ``(0, split)``, or ``(all columns, 1)`` unsplit."""
     token_tiles, columns = -(-m // block_m), -(-n // block_n)
     tiles = -(-k // TILE_K)
     whole = wgmma_split(m, n, k, block_m, block_n, sm_count)
     best = (0, whole) if whole > 1 else (columns, 1)
-    best_steps = one_launch = _wgmma_launch_steps(token_tiles * columns, m, n, tiles, whole, sm_count)
+    # the steps two launches must come under: one launch's, less the minimum gain, then the best pair's so far
+    bar = _wgmma_launch_steps(token_tiles * columns, m, n, tiles, whole, sm_count) * (1 - WGMMA_TAIL_MIN_GAIN)
     for first in range(1, columns):
         rest = (columns - first) * block_n
         for split in (2, 4):
             steps = (_wgmma_launch_steps(token_tiles * first, m, first * block_n, tiles, 1, sm_count)
                      + _wgmma_launch_steps(token_tiles * (columns - first), m, rest, tiles, split, sm_count)
                      + WGMMA_SPLIT_LAUNCH_STEPS)
-            if steps < best_steps and steps < one_launch * (1 - WGMMA_TAIL_MIN_GAIN):
-                best, best_steps = (first, split), steps
+            if steps < bar:
+                best, bar = (first, split), steps
     return best
 
 
