@@ -68,16 +68,8 @@ def rotation_count(bytes_per_call: int, min_copies: int = 2, max_copies: int = 6
     return int(min(max(need, min_copies), max_copies))
 
 
-def time_graph(
-    fn: Callable[[int], object], n_inputs: int, *, calls: int | None = None, replays: int = 5
-) -> float:
-    """Seconds per call of `fn(i)` (i indexes the rotated inputs), by CUDA-graph replay.
-
-    `calls` calls (default: enough to cycle the inputs at least twice, at least 20) are captured in one
-    graph after a warm-up on a side stream; the graph is replayed `replays` times and the best replay
-    is divided by `calls`.
-    """
-    calls = calls or max(20, 2 * n_inputs)
+def _captured(fn: Callable[[int], object], n_inputs: int, calls: int) -> torch.cuda.CUDAGraph:
+    """`calls` calls of `fn(i)` captured in one graph (after a warm-up on a side stream) and replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -91,16 +83,50 @@ def time_graph(
             fn(i % n_inputs)
     graph.replay()
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
+    return graph
+
+
+def _replay_seconds(graph: torch.cuda.CUDAGraph) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def time_graph(
+    fn: Callable[[int], object], n_inputs: int, *, calls: int | None = None, replays: int = 5
+) -> float:
+    """Seconds per call of `fn(i)` (i indexes the rotated inputs), by CUDA-graph replay.
+
+    `calls` calls (default: enough to cycle the inputs at least twice, at least 20) are captured in one
+    graph after a warm-up on a side stream; the graph is replayed `replays` times and the best replay
+    is divided by `calls`.
+    """
+    calls = calls or max(20, 2 * n_inputs)
+    graph = _captured(fn, n_inputs, calls)
+    best = min(_replay_seconds(graph) for _ in range(replays))
     del graph
     return best / calls
+
+
+def time_graphs_interleaved(
+    fns: Sequence[Callable[[int], object]], n_inputs: int, *, calls: int | None = None, rounds: int = 5
+) -> list[list[float]]:
+    """Seconds per call of each of `fns`, once a round for `rounds` rounds (``[fn][round]``), as `time_graph`
+    captures them. Each round replays every graph once, starting one further along each round, so that clock and
+    heat drift over the run fall on all of them alike: a difference of a few percent between launches timed one
+    after the other is otherwise not evidence (docs/design/w4a16.md, run 135)."""
+    calls = calls or max(20, 2 * n_inputs)
+    graphs = [_captured(fn, n_inputs, calls) for fn in fns]
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        for j in range(len(fns)):
+            i = (r + j) % len(fns)
+            times[i].append(_replay_seconds(graphs[i]) / calls)
+    del graphs
+    return times
 
 
 def environment(command: Sequence[str] | None = None, device: torch.device | str | None = None) -> dict:

@@ -145,3 +145,16 @@ def test_wgmma_split_regret_scores_the_pick_against_the_fastest_split():
     scored = wgmma_split_regret(choose, [{"rows": rows}], 132)
     assert [(r["shape"], r["picked"], r["regret"]) for r in scored] == [("a", 2, 500.0 / 450.0)]
     assert (640, 8192, 28672, 128, 256, 132) in seen
+
+
+def test_interleaved_timing_replays_each_graph_once_a_round_from_a_moving_start(monkeypatch):
+    """`time_graphs_interleaved`: every launch once a round, the round's first launch one further along each
+    round (so drift over the run falls on all alike), and each time divided by the captured calls, ``[fn][round]``."""
+    from hubtools import measure
+
+    order = []
+    monkeypatch.setattr(measure, "_captured", lambda fn, n_inputs, calls: fn)
+    monkeypatch.setattr(measure, "_replay_seconds", lambda graph: order.append(graph) or 10.0 * (graph + 1))
+    times = measure.time_graphs_interleaved([0, 1, 2], 4, calls=5, rounds=4)
+    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2]
+    assert times == [[2.0] * 4, [4.0] * 4, [6.0] * 4]

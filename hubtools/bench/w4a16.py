@@ -18,13 +18,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..measure import environment, measure_copy_bandwidth, measure_matmul_flops, rotation_count, time_graph, warm_clocks
+from ..measure import (environment, measure_copy_bandwidth, measure_matmul_flops, rotation_count, time_graph,
+                       time_graphs_interleaved, warm_clocks)
 
 SHAPES = (  # (label, K, N)
     ("L3-8B qkv", 4096, 6144),
@@ -639,12 +641,14 @@ def _nf4_candidates(m: int, rows: int, tiles: int, sm_count: int) -> list[dict]:
 def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1,), candidates=_decode_candidates,
                    out_path=None, log: Callable[[str], None] = print, fmt: str = "int4", group: int = GROUP,
                    variants: list[dict] | None = None, zero_point: bool = False,
-                   x_dtype: torch.dtype = torch.float16) -> dict:
+                   x_dtype: torch.dtype = torch.float16, rounds: int | None = None) -> dict:
     """`fmt` (int4, symmetric or with integer `zero_point`s, or NF4) with groups of `group` and activations of
     `x_dtype` at each M in `tokens`: the shipped config (`tuning.select`), every candidate launch and cuBLAS in
     `x_dtype` in one process, each verified against the float64-exact fp32 reference and graph-timed
-    (rotated weights), with registers / shared memory of each compiled variant. Written to `out_path` after
-    every shape, so a run cut short keeps what it measured."""
+    (rotated weights), with registers / shared memory of each compiled variant. With `rounds`, the shipped config
+    and the candidates are then timed again interleaved (`time_graphs_interleaved`): each row's ``us`` is the
+    median of its ``us_rounds``. Written to `out_path` after every shape, so a run cut short keeps what it
+    measured."""
     tk, tuning = kernel.triton_kernels, kernel.tuning
     device = torch.device("cuda")
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -663,15 +667,18 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
             nbytes = shape.our_bytes(m)
             plan = {"replays": 5, **_timing_plan(m)}
 
-            def evaluate(name, cfg):
+            def launch(cfg):
                 def call(i):
                     q = shape.qws[i % shape.copies]
                     return tk.matmul(xs[i], q.qweight, q.scales, q.zeros, q.codebook, None, n, k, group, cfg)
 
+                return call
+
+            def evaluate(name, cfg):
                 before = _snapshot(jit_fns)
                 row = {"shape": label, "N": n, "K": k, "m": m, "impl": name, "config": cfg}
                 try:
-                    t, err = _time_verified(call, shape.copies, xs, lambda _: ref, x_dtype, plan)
+                    t, err = _time_verified(launch(cfg), shape.copies, xs, lambda _: ref, x_dtype, plan)
                 except Exception as exc:  # a candidate that fails to compile or verify is recorded, not fatal
                     log(f"  {label} M={m} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                     return dict(row, error=f"{type(exc).__name__}: {exc}"[:300])
@@ -691,6 +698,14 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
                 runs = tuning.for_activations(shipped_config, x_dtype)
                 launches = [_override(runs, v) for v in variants]
             trials = [evaluate("candidate", c) for c in launches]
+            if rounds:
+                timed = [row for row in (shipped, *trials) if "us" in row]
+                per_round = time_graphs_interleaved([launch(row["config"]) for row in timed], shape.copies,
+                                                    calls=plan.get("calls"), rounds=rounds)
+                for row, seconds in zip(timed, per_round):
+                    t = statistics.median(seconds)
+                    row.update(us=t * 1e6, us_rounds=[x * 1e6 for x in seconds], TBps=nbytes / t / 1e12,
+                               pct_copy=100 * nbytes / t / result["copy_bandwidth"])
             t_cublas, cublas_err = _time_verified(lambda i: F.linear(xs[i], dense16[i % len(dense16)]), len(dense16),
                                                   xs, lambda _: ref, x_dtype, plan)
             cublas = {"shape": label, "N": n, "K": k, "m": m, "impl": f"cublas-{result['x_dtype']}",
@@ -985,6 +1000,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", help="--compare-decode times, instead of its candidates, the shipped config "
                         "with each of these overrides (a JSON list of dicts); --dequant-bandwidth times the "
                         "dequantize kernel with each as its keyword arguments")
+    parser.add_argument("--rounds", type=int, help="--compare-decode: time the shipped config and the candidates "
+                        "again in this many interleaved rounds, each row the median (for A / B differences of a few "
+                        "percent)")
     parser.add_argument("--dequant-bandwidth", action="store_true",
                         help="instead of the sweep: the dequantize kernel's time and share of copy bandwidth "
                              "(dequant_bandwidth) on the Llama-3 shapes or --shapes, --fmt, --group")
@@ -1026,7 +1044,8 @@ def main(argv: list[str] | None = None) -> int:
             compared = compare_decode(module, shapes=chosen, tokens=tuple(args.tokens), out_path=args.out,
                                       fmt=args.fmt, group=args.group, zero_point=args.zero_point,
                                       x_dtype=torch.bfloat16 if args.bf16 else torch.float16,
-                                      variants=None if args.variants is None else json.loads(args.variants))
+                                      variants=None if args.variants is None else json.loads(args.variants),
+                                      rounds=args.rounds)
         print(f"wrote {args.out}")
         if args.table:
             table = json.loads(args.table.read_text())

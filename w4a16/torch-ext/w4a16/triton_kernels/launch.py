@@ -185,10 +185,10 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
 
 
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
-    """`wgmma._wgmma_kernel` (Hopper only, `tuning.wgmma_supported`): one program per (token tile, row tile of
-    128 or 256, K split), x and the words by host descriptors (encoded per launch, captured by value
-    in CUDA graphs). ``"split_k"``: a count, or ``"auto"`` (`tuning.wgmma_tail_split`: maybe the first row-tile
-    columns unsplit and the rest split in a second launch)."""
+    """`wgmma._wgmma_kernel` (Hopper only, `tuning.wgmma_supported`): one program per output block (token tile, row
+    tile of 128 or 256, K split), or with ``"persistent"`` one an SM looping over them, x and the words by host
+    descriptors (encoded per launch, captured by value in CUDA graphs). ``"split_k"``: a count, or ``"auto"``
+    (`tuning.wgmma_tail_split`: maybe the first row-tile columns unsplit and the rest split in a second launch)."""
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
     inflight = plan.get("inflight", 1)
     if block_n not in (128, 256) or qweight.shape[0] % block_n:
@@ -196,6 +196,9 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
                          f"and divide the padded rows ({qweight.shape[0]}); got {plan}")
     if inflight not in (1, 2):
         raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1 or 2; got {plan}")
+    if plan.get("persistent", False) not in (False, True):
+        raise ValueError(f"config: wgmma persistent (one program an SM, looping over the blocks) must be true or "
+                         f"false; got {plan}")
     split = plan.get("split_k", 1)
     columns = qweight.shape[0] // block_n
     if split == "auto":  # (columns, 1) unsplit, (0, split) all split, or whole waves then the rest split
@@ -238,10 +241,12 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
                              [block_n, WORDS_PER_TILE], gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE],
                                                                                               gl.int32))
     # a 256-row tile's second warpgroup is a worker partition, which pipelines only in the edited PTX
+    blocks = triton.cdiv(m, block_m) * (last - first) * splits
+    programs = min(blocks, device_info(x.device)[1]) if plan.get("persistent", False) else blocks
     with unlooped_workers(_wgmma_kernel.__name__) if block_n == 256 else contextlib.nullcontext():
-        _wgmma_kernel[(triton.cdiv(m, block_m), last - first, splits)](
+        _wgmma_kernel[(programs,)](
             x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(codebook, scales), _or(bias, scales),
-            target, m, n, num_tiles, per_split, scales.stride(0), target.stride(-2),
+            target, m, n, last - first, num_tiles, per_split, scales.stride(0), target.stride(-2),
             GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
             HAS_MIN=mins is not None, NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
             STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), num_warps=4,

@@ -35,19 +35,40 @@ from .nf4 import nf4_lookup_asm
 
 
 @gluon.jit
-def _load_partition(w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, num_tiles, off_n,
-                    off_m):
+def _block_at(block, schedule):
+    """Output block `block` of the launch's (token tile, row tile, split) order, token tiles fastest (the programs
+    running together share a row tile's words): its first token and row, split, first K-tile and K-tile count."""
+    M, columns, num_tiles, per_split, BLOCK_M, BLOCK_N = schedule
+    token_tiles = gl.cdiv(M, BLOCK_M)
+    column = (block // token_tiles) % columns
+    split = block // (token_tiles * columns)
+    tile0 = split * per_split
+    return (block % token_tiles) * BLOCK_M, column * BLOCK_N, split, tile0, gl.minimum(per_split, num_tiles - tile0)
+
+
+@gluon.jit
+def _block_count(schedule):
+    M, columns, num_tiles, per_split, BLOCK_M, BLOCK_N = schedule
+    return gl.cdiv(M, BLOCK_M) * columns * gl.cdiv(num_tiles, per_split)
+
+
+@gluon.jit
+def _load_partition(w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, schedule):
     stages: gl.constexpr = w_bufs.type.shape[0]
-    for t in range(num_tiles):
-        s = t % stages
-        phase = (t // stages) & 1
-        # Barriers start in phase 0 incomplete: waiting on the opposite parity passes the first round.
-        mbarrier.wait(w_empty.index(s), phase ^ 1)
-        mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [off_n, (tile0 + t) * 16], w_ready.index(s), w_bufs.index(s))
-        mbarrier.wait(x_empty.index(s), phase ^ 1)
-        mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [off_m, (tile0 + t) * 128], x_ready.index(s), x_bufs.index(s))
+    step = 0  # K-tiles loaded by this program so far, over all its blocks: the ring's position
+    for block in range(gl.program_id(0), _block_count(schedule), gl.num_programs(0)):
+        off_m, off_n, split, tile0, num_tiles = _block_at(block, schedule)
+        for t in range(num_tiles):
+            s = step % stages
+            phase = (step // stages) & 1
+            # Barriers start in phase 0 incomplete: waiting on the opposite parity passes the first round.
+            mbarrier.wait(w_empty.index(s), phase ^ 1)
+            mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [off_n, (tile0 + t) * 16], w_ready.index(s), w_bufs.index(s))
+            mbarrier.wait(x_empty.index(s), phase ^ 1)
+            mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, (tile0 + t) * 128], x_ready.index(s), x_bufs.index(s))
+            step += 1
 
 
 @gluon.constexpr_function
@@ -209,17 +230,15 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
     edited (`warp_specialize`, E40). INFLIGHT (1 or 2): the chunks whose MMAs may still run when the next chunk's
     dequantization starts; each keeps its operand registers live until the wait that retires it. NF4 makes the
     operands of chunks j and j + 1 at even j (`_nf4_chunks`)."""
-    (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, tile0,
-     num_tiles, off_n, off_m, split, M, N, s_stride, out_stride) = operands
+    (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, schedule,
+     N, s_stride, out_stride) = operands
     stages: gl.constexpr = w_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
+    M = schedule[0]
     dtype: gl.constexpr = x_bufs.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    rows = off_n + ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
-    acc0 = _opaque_zeros([64, BLOCK_M], acc_layout)
-    acc1 = _opaque_zeros([64, BLOCK_M], acc_layout)
     prev0 = gl.zeros([64, 16], dtype, layout=a_layout)
     prev1 = gl.zeros([64, 16], dtype, layout=a_layout)
     older0 = gl.zeros([64, 16], dtype, layout=a_layout)
@@ -227,73 +246,81 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
     if NF4:
         tables = _nf4_tables(cb_ptr, gl.zeros([64, 16], gl.int32, layout=a_layout), gl.float16, 1.0)
     one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
-    for t in range(num_tiles):
-        tile = tile0 + t
-        if one_group:  # issued before the barrier waits, so its latency overlaps them
-            params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP, s_stride,
-                                             rows, HAS_ZERO, HAS_MIN, NF4, dtype)
-        s = t % stages
-        phase = (t // stages) & 1
-        mbarrier.wait(w_ready.index(s), phase)
-        words0 = w_bufs.index(s).slice(ROW0, 64, dim=0).load(a_layout)
-        words1 = w_bufs.index(s).slice(ROW0 + 64, 64, dim=0).load(a_layout)
-        mbarrier.wait(x_ready.index(s), phase)
-        x_tile = x_bufs.index(s)
-        for j in gl.static_range(8):
-            if not one_group and (16 * j) % GROUP == 0:
-                params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows,
-                                                 HAS_ZERO, HAS_MIN, NF4, dtype)
-            x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
-            if NF4:
-                if j % 2 == 0:  # (j + 1's operands are kept for the next chunk)
-                    a0, next0 = _nf4_chunks(words0, j, params0, tables, x_chunk)
-                    a1, next1 = _nf4_chunks(words1, j, params1, tables, x_chunk)
+    step = 0  # K-tiles consumed by this program so far, over all its blocks: the ring's position
+    for block in range(gl.program_id(0), _block_count(schedule), gl.num_programs(0)):
+        off_m, off_n, split, tile0, num_tiles = _block_at(block, schedule)
+        rows = off_n + ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
+        acc0 = _opaque_zeros([64, BLOCK_M], acc_layout)
+        acc1 = _opaque_zeros([64, BLOCK_M], acc_layout)
+        for t in range(num_tiles):
+            tile = tile0 + t
+            if one_group:  # issued before the barrier waits, so its latency overlaps them
+                params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP,
+                                                 s_stride, rows, HAS_ZERO, HAS_MIN, NF4, dtype)
+            s = step % stages
+            phase = (step // stages) & 1
+            mbarrier.wait(w_ready.index(s), phase)
+            words0 = w_bufs.index(s).slice(ROW0, 64, dim=0).load(a_layout)
+            words1 = w_bufs.index(s).slice(ROW0 + 64, 64, dim=0).load(a_layout)
+            mbarrier.wait(x_ready.index(s), phase)
+            x_tile = x_bufs.index(s)
+            for j in gl.static_range(8):
+                if not one_group and (16 * j) % GROUP == 0:
+                    params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride,
+                                                     rows, HAS_ZERO, HAS_MIN, NF4, dtype)
+                x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
+                if NF4:
+                    if j % 2 == 0:  # (j + 1's operands are kept for the next chunk)
+                        a0, next0 = _nf4_chunks(words0, j, params0, tables, x_chunk)
+                        a1, next1 = _nf4_chunks(words1, j, params1, tables, x_chunk)
+                    else:
+                        a0 = next0
+                        a1 = next1
+                    acc0 = warpgroup_mma(a0, x_chunk, acc0, is_async=True)
+                    acc1 = warpgroup_mma(a1, x_chunk, acc1, is_async=True)
                 else:
-                    a0 = next0
-                    a1 = next1
-                acc0 = warpgroup_mma(a0, x_chunk, acc0, is_async=True)
-                acc1 = warpgroup_mma(a1, x_chunk, acc1, is_async=True)
-            else:
-                a0, acc0 = _chain_step(words0, j, params0, acc0, x_chunk)
-                a1, acc1 = _chain_step(words1, j, params1, acc1, x_chunk)
-            # retires the chunk INFLIGHT before this one, whose operand registers stay live until here; when that is
-            # the previous tile's last chunk, its x slot goes back to the loader
-            if INFLIGHT == 1:
-                acc0, acc1, prev0, prev1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1, prev0, prev1))
-            else:
-                acc0, acc1, older0, older1 = warpgroup_mma_wait(num_outstanding=4, deps=(acc0, acc1, older0, older1))
-                older0 = prev0
-                older1 = prev1
-            if j == INFLIGHT - 1:
-                # the words' slot goes back here, not right after their loads: by now those loads and the group
-                # parameters' have landed, so the release waits for neither (E45)
-                fence_async_shared()
-                mbarrier.arrive(w_empty.index(s), count=1)
-                mbarrier.arrive(x_empty.index((t + stages - 1) % stages), count=1, pred=t > 0)
-            prev0 = a0
-            prev1 = a1
-    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-    _store_out(acc0, bias_ptr, out_ptr, off_m, off_n + ROW0, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
-    _store_out(acc1, bias_ptr, out_ptr, off_m, off_n + ROW0 + 64, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
+                    a0, acc0 = _chain_step(words0, j, params0, acc0, x_chunk)
+                    a1, acc1 = _chain_step(words1, j, params1, acc1, x_chunk)
+                # retires the chunk INFLIGHT before this one, whose operand registers stay live until here; when
+                # that is the previous K-tile's last chunk, its x slot goes back to the loader
+                if INFLIGHT == 1:
+                    acc0, acc1, prev0, prev1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1, prev0, prev1))
+                else:
+                    acc0, acc1, older0, older1 = warpgroup_mma_wait(num_outstanding=4,
+                                                                    deps=(acc0, acc1, older0, older1))
+                    older0 = prev0
+                    older1 = prev1
+                if j == INFLIGHT - 1:
+                    # the words' slot goes back here, not right after their loads: by now those loads and the group
+                    # parameters' have landed, so the release waits for neither (E45)
+                    fence_async_shared()
+                    mbarrier.arrive(w_empty.index(s), count=1)
+                    mbarrier.arrive(x_empty.index((step + stages - 1) % stages), count=1, pred=t > 0)
+                prev0 = a0
+                prev1 = a1
+            step += 1
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        # the block's last x slot back to the loader, which may be filling the ring for this program's next block
+        mbarrier.arrive(x_empty.index((step + stages - 1) % stages), count=1, pred=num_tiles > 0)
+        _store_out(acc0, bias_ptr, out_ptr, off_m, off_n + ROW0, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
+        _store_out(acc1, bias_ptr, out_ptr, off_m, off_n + ROW0 + 64, split, M, N, out_stride, HAS_BIAS, PARTIAL,
+                   dtype)
 
 
 @gluon.jit
-def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, M, N, num_tiles, per_split,
+def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, M, N, columns, num_tiles, per_split,
                   s_stride, out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
                   HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
                   STAGES: gl.constexpr, INFLIGHT: gl.constexpr):
-    """Program (token tile, row tile of 128 or 256, K split): K-tiles [split * per_split, ...) of `num_tiles`;
-    with PARTIAL its fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction).
-    A consumer warpgroup per 128 rows (the first the default partition, a second a worker) and the loader warp;
-    INFLIGHT chunks of MMAs run beside the next chunk's dequantization."""
+    """Output blocks (token tile, row tile of 128 or 256 of `columns`, K split) from `program_id` on, a grid apart
+    (one block a program, or persistent programs); a block runs K-tiles [split * per_split, ...) of `num_tiles`;
+    with PARTIAL its fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction). A
+    consumer warpgroup per 128 rows (the first the default partition, a second a worker) and the loader warp, whose
+    ring runs on across a program's blocks; INFLIGHT chunks of MMAs run beside the next chunk's dequantization."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
-    off_m = gl.program_id(0) * BLOCK_M
-    off_n = gl.program_id(1) * BLOCK_N
-    split = gl.program_id(2)
-    tile0 = split * per_split
-    tiles = gl.minimum(per_split, num_tiles - tile0)
+    schedule = (M, columns, num_tiles, per_split, BLOCK_M, BLOCK_N)
 
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -308,8 +335,8 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr
         mbarrier.init(x_ready.index(i), count=1)
         mbarrier.init(x_empty.index(i), count=consumers)
     operands = (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
-                tile0, tiles, off_n, off_m, split, M, N, s_stride, out_stride)
-    loader = (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, tile0, tiles, off_n, off_m)
+                schedule, N, s_stride, out_stride)
+    loader = (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, schedule)
     if consumers == 2:
         # the worker's wgmma pipeline only in PTX edited by `warp_specialize.unlooped_workers` (the launcher's)
         gl.warp_specialize([
