@@ -187,7 +187,8 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     """`wgmma._wgmma_kernel` (Hopper only, `tuning.wgmma_supported`): one program per output block (token tile, row
     tile of 128 or 256, K split), or with ``"persistent"`` one an SM looping over them, x and the words by host
-    descriptors (encoded per launch, captured by value in CUDA graphs). ``"split_k"``: a count, or ``"auto"``
+    descriptors (encoded per launch, captured by value in CUDA graphs); ``"tma_store"``: the output by TMA stores
+    left in flight, where the launch is unsplit and its rows 16-byte aligned. ``"split_k"``: a count, or ``"auto"``
     (`tuning.wgmma_tail_split`: maybe the first row-tile columns unsplit and the rest split in a second launch)."""
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
     inflight = plan.get("inflight", 1)
@@ -196,9 +197,10 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
                          f"and divide the padded rows ({qweight.shape[0]}); got {plan}")
     if inflight not in (1, 2):
         raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1 or 2; got {plan}")
-    if plan.get("persistent", False) not in (False, True):
-        raise ValueError(f"config: wgmma persistent (one program an SM, looping over the blocks) must be true or "
-                         f"false; got {plan}")
+    for key, meaning in (("persistent", "one program an SM, looping over the blocks"),
+                         ("tma_store", "the output through shared memory by TMA stores")):
+        if type(plan.get(key, False)) is not bool:
+            raise ValueError(f"config: wgmma {key} ({meaning}) must be true or false; got {plan}")
     split = plan.get("split_k", 1)
     columns = qweight.shape[0] // block_n
     if split == "auto":  # (columns, 1) unsplit, (0, split) all split, or whole waves then the rest split
@@ -241,15 +243,20 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
                              [block_n, WORDS_PER_TILE], gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE],
                                                                                               gl.int32))
     # a 256-row tile's second warpgroup is a worker partition, which pipelines only in the edited PTX
+    # the output by TMA stores (`"tma_store"`) where TMA can write it: unsplit, rows 16-byte aligned
+    tma_store = (plan.get("tma_store", False) and splits == 1 and (target.stride(0) * target.element_size()) % 16 == 0
+                 and target.data_ptr() % 16 == 0)
+    out_desc = GluonDescriptor(target, [m, n], [target.stride(0), 1], [block_m, 64],
+                               gl.NVMMASharedLayout.get_default_for([block_m, 64], x_type)) if tma_store else x_desc
     blocks = triton.cdiv(m, block_m) * (last - first) * splits
     programs = min(blocks, device_info(x.device)[1]) if plan.get("persistent", False) else blocks
     with unlooped_workers(_wgmma_kernel.__name__) if block_n == 256 else contextlib.nullcontext():
         _wgmma_kernel[(programs,)](
             x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(codebook, scales), _or(bias, scales),
-            target, m, n, last - first, num_tiles, per_split, scales.stride(0), target.stride(-2),
+            target, out_desc, m, n, last - first, num_tiles, per_split, scales.stride(0), target.stride(-2),
             GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
             HAS_MIN=mins is not None, NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
-            STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), num_warps=4,
+            STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), TMA_STORE=tma_store, num_warps=4,
         )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False)

@@ -183,6 +183,22 @@ def _store_out(acc, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HA
 
 
 @gluon.jit
+def _store_tma(acc, c_buf, out_desc, bias_ptr, off_m, off_n, N, HAS_BIAS: gl.constexpr):
+    """``out[m, n] = acc[n, m] (+ bias[n])`` through shared memory by a TMA store, left in flight: the tile is
+    written straight from the accumulator's layout (no layout conversion) once the program's previous store from
+    this buffer has read it. A consumer's two chains store alternately from buffers of their own, so that store is
+    the one before the last this warpgroup issued."""
+    result = acc
+    if HAS_BIAS:
+        n_idx = off_n + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
+        result = result + gl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(gl.float32)[:, None]
+    tma.store_wait(1)
+    c_buf.permute((1, 0)).store(result.to(c_buf.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [off_m, off_n], c_buf)
+
+
+@gluon.jit
 def _opaque_zeros(shape: gl.constexpr, layout: gl.constexpr):
     """fp32 zeros ptxas sees as the result of an opaque move (inline asm, not pure), not as a constant: a constant
     accumulator must be copied into the K loop's result registers on its zero-trip path, and in a worker partition
@@ -219,7 +235,7 @@ def _nf4_chunks(words, j: gl.constexpr, scale, tables, x_like):
 @gluon.jit
 def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
                         HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                        INFLIGHT: gl.constexpr, ROW0: gl.constexpr):
+                        INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr, ROW0: gl.constexpr):
     """Dequantization into the MMA's register operand beside the previous chunk's asynchronous MMA, then the
     output. The words are loaded in the operand's own layout (a thread holds the words of the K columns its
     fragment needs: word c of a row is column 16 j + c of K-chunk j), so each 16-column chunk j is the words' nibble
@@ -230,8 +246,8 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
     edited (`warp_specialize`, E40). INFLIGHT (1 or 2): the chunks whose MMAs may still run when the next chunk's
     dequantization starts; each keeps its operand registers live until the wait that retires it. NF4 makes the
     operands of chunks j and j + 1 at even j (`_nf4_chunks`)."""
-    (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, schedule,
-     N, s_stride, out_stride) = operands
+    (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, out_desc,
+     c_bufs, schedule, N, s_stride, out_stride) = operands
     stages: gl.constexpr = w_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
     M = schedule[0]
@@ -302,16 +318,23 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
         # the block's last x slot back to the loader, which may be filling the ring for this program's next block
         mbarrier.arrive(x_empty.index((step + stages - 1) % stages), count=1, pred=num_tiles > 0)
-        _store_out(acc0, bias_ptr, out_ptr, off_m, off_n + ROW0, split, M, N, out_stride, HAS_BIAS, PARTIAL, dtype)
-        _store_out(acc1, bias_ptr, out_ptr, off_m, off_n + ROW0 + 64, split, M, N, out_stride, HAS_BIAS, PARTIAL,
-                   dtype)
+        if TMA_STORE:
+            _store_tma(acc0, c_bufs.index(ROW0 // 64), out_desc, bias_ptr, off_m, off_n + ROW0, N, HAS_BIAS)
+            _store_tma(acc1, c_bufs.index(ROW0 // 64 + 1), out_desc, bias_ptr, off_m, off_n + ROW0 + 64, N, HAS_BIAS)
+        else:
+            _store_out(acc0, bias_ptr, out_ptr, off_m, off_n + ROW0, split, M, N, out_stride, HAS_BIAS, PARTIAL,
+                       dtype)
+            _store_out(acc1, bias_ptr, out_ptr, off_m, off_n + ROW0 + 64, split, M, N, out_stride, HAS_BIAS,
+                       PARTIAL, dtype)
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, M, N, columns, num_tiles, per_split,
-                  s_stride, out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
-                  HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                  STAGES: gl.constexpr, INFLIGHT: gl.constexpr):
+def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, out_desc, M, N, columns, num_tiles,
+                  per_split, s_stride, out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr,
+                  HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  PARTIAL: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr):
     """Output blocks (token tile, row tile of 128 or 256 of `columns`, K split) from `program_id` on, a grid apart
     (one block a program, or persistent programs); a block runs K-tiles [split * per_split, ...) of `num_tiles`;
     with PARTIAL its fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction). A
@@ -334,21 +357,25 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr
         mbarrier.init(w_empty.index(i), count=consumers)
         mbarrier.init(x_ready.index(i), count=1)
         mbarrier.init(x_empty.index(i), count=consumers)
+    if TMA_STORE:  # a [BLOCK_M, 64] output tile per 64-row chain (out_desc's block)
+        c_bufs = gl.allocate_shared_memory(dtype, [BLOCK_N // 64] + out_desc.block_type.shape, out_desc.layout)
+    else:
+        c_bufs = w_bufs
     operands = (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
-                schedule, N, s_stride, out_stride)
+                out_desc, c_bufs, schedule, N, s_stride, out_stride)
     loader = (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, schedule)
     if consumers == 2:
         # the worker's wgmma pipeline only in PTX edited by `warp_specialize.unlooped_workers` (the launcher's)
         gl.warp_specialize([
             (_consumer_partition,
-             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, 0)),
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE, 0)),
             (_consumer_partition,
-             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, 128)),
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE, 128)),
             (_load_partition, loader),
         ], [4, 1], [232, 24])
     else:
         gl.warp_specialize([
             (_consumer_partition,
-             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, 0)),
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE, 0)),
             (_load_partition, loader),
         ], [1], [24])
