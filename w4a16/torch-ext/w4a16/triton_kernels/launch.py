@@ -242,7 +242,6 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     w_desc = GluonDescriptor(qweight, [(last - first) * block_n, qweight.shape[1]], [qweight.stride(0), 1],
                              [block_n, WORDS_PER_TILE], gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE],
                                                                                               gl.int32))
-    # a 256-row tile's second warpgroup is a worker partition, which pipelines only in the edited PTX
     # the output by TMA stores (`"tma_store"`) where TMA can write it: unsplit, rows 16-byte aligned
     tma_store = (plan.get("tma_store", False) and splits == 1 and (target.stride(0) * target.element_size()) % 16 == 0
                  and target.data_ptr() % 16 == 0)
@@ -250,6 +249,7 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
                                gl.NVMMASharedLayout.get_default_for([block_m, 64], x_type)) if tma_store else x_desc
     blocks = triton.cdiv(m, block_m) * (last - first) * splits
     programs = min(blocks, device_info(x.device)[1]) if plan.get("persistent", False) else blocks
+    # a 256-row tile's second warpgroup is a worker partition, which pipelines only in the edited PTX
     with unlooped_workers(_wgmma_kernel.__name__) if block_n == 256 else contextlib.nullcontext():
         _wgmma_kernel[(programs,)](
             x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(codebook, scales), _or(bias, scales),
