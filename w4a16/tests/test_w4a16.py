@@ -356,17 +356,17 @@ def test_split_reduction_writes_only_its_column_slice(k, bias):
 
 
 def test_heuristic_takes_the_wgmma_tile_on_large_weights_above_256_tokens(k):
-    """Untuned shapes run the 256-row wgmma tile with its split chosen per call at 257-1024 tokens (129 where
+    """Untuned shapes run the 256-row wgmma tile with its split chosen per call from 257 tokens (129 where
     K >= 8192), on weights of 16M or more whose padded rows it divides; elsewhere (and off Hopper) the dot /
     dequantize config."""
     heuristic = k.tuning.heuristic
-    for m in (300, 512, 1024):
+    for m in (300, 512, 1024, 1025, 4096):
         assert heuristic(m, 22016, 4096, 132)["wgmma"] == {"block_m": 128, "block_n": 256, "num_stages": 3,
                                                            "inflight": 2, "split_k": "auto"}
     assert heuristic(1024, 22016, 4096, 132)["kernel"] == "dequant"
-    for m, n, kk in ((256, 22016, 4096), (1025, 22016, 4096), (64, 22016, 4096), (512, 1536, 8960),
+    for m, n, kk in ((256, 22016, 4096), (64, 22016, 4096), (512, 1536, 8960), (4096, 1536, 8960),
                      (512, 6016, 4096), (128, 4096, 11008)):
-        # M = 256 with K < 8192, above 1024, small M, 13.8M weights, 6016 rows, one token tile
+        # M = 256 with K < 8192, small M, 13.8M weights, 6016 rows, one token tile
         assert "wgmma" not in heuristic(m, n, kk, 132), (m, n, kk)
     assert heuristic(129, 4096, 11008, 132)["wgmma"]["split_k"] == "auto"  # K >= 8192: from two token tiles
 

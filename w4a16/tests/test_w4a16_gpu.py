@@ -273,12 +273,8 @@ WGMMA_FORMATS = [("int4", False, 128), ("int4", True, 128), ("int4", True, 256),
 @pytest.mark.parametrize("tiles", [{"block_m": 128, "num_stages": 4}, {"block_m": 64, "num_stages": 4, "split_k": 3},
                                    {"block_m": 128, "num_stages": 3, "inflight": 2},
                                    {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2},
-                                   {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3},
-                                   {"block_m": 64, "block_n": 256, "num_stages": 3, "inflight": 2, "split_k": 3,
-                                    "persistent": True},
-                                   {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2, "tma_store": True}],
-                         ids=["128x128", "64x128-split3", "128x128-inflight2", "128x256-inflight2", "64x256-split3",
-                              "64x256-split3-persistent", "128x256-tma-store"])
+                                   {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3}],
+                         ids=["128x128", "64x128-split3", "128x128-inflight2", "128x256-inflight2", "64x256-split3"])
 @pytest.mark.parametrize("m", [64, 300])
 def test_wgmma_vs_float64(k, fmt, zero_point, group_size, dtype, tiles, m):
     """The Gluon kernel (a TMA loader warp beside a warpgroup dequantizing into its register operand) on poisoned
@@ -314,19 +310,18 @@ def _check_wgmma(k, x, qw, bias, tiles):
                                      (700, {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
                                             "split_k": "auto"})],
                          ids=["2000-64x256", "1000-128x128-split2", "700-128x256-auto"])
-@pytest.mark.parametrize("n,tma_store", [(3000, False), (3000, True), (2998, True)],
-                         ids=["pointer-stores", "tma-stores", "tma-stores-unaligned-rows"])
-def test_wgmma_persistent_vs_float64(k, fmt, zero_point, group_size, dtype, m, tiles, n, tma_store):
-    """``"persistent"``: one program an SM, each running several output blocks one after the other on one ring
-    (2000 tokens: 32 token tiles x 12 row tiles on 132 programs; 8 x 24 x 2 split parts; the tail split's two
-    launches), K = 4480 (35 K-tiles, so the ring's slot and phase at a block's start vary), with a bias, on
-    poisoned outputs against float64; the outputs by pointer or TMA stores (whose buffers are reused block after
-    block), and TMA asked for where an output row is not 16-byte aligned (N = 2998: pointer stores instead)."""
+@pytest.mark.parametrize("n", [3000, 2998], ids=["tma-stores", "pointer-stores"])
+def test_wgmma_blocks_after_blocks_vs_float64(k, fmt, zero_point, group_size, dtype, m, tiles, n):
+    """Persistent programs, each running several output blocks one after the other on one ring (2000 tokens: 32
+    token tiles x 12 row tiles on 132 programs; 8 x 24 x 2 split parts; the tail split's two launches), K = 4480
+    (35 K-tiles, so the ring's slot and phase at a block's start vary), with a bias, on poisoned outputs against
+    float64; the unsplit outputs by TMA stores whose buffers are reused block after block, or by pointer stores
+    where an output row is not 16-byte aligned (N = 2998)."""
     kk = 4480
     qw = k.quantize(_weight(n, kk, dtype, seed=10), group_size=group_size, zero_point=zero_point, fmt=fmt)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
-    _check_wgmma(k, x, qw, bias, {**tiles, "persistent": True, "tma_store": tma_store})
+    _check_wgmma(k, x, qw, bias, tiles)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -523,15 +518,13 @@ def test_mma_gemv_leaves_formats_it_does_not_take_to_the_config_beneath(k):
                     reason="wgmma is Hopper's (sm_90a)")
 def test_wgmma_refuses_tiles_it_does_not_have(k):
     """The row tile is 128 or 256 rows (a dequantizing warpgroup per 128) and must divide the padded rows; other
-    tiles are a ValueError naming block_n; so is an `inflight` other than 1 or 2, a `split_k` that is neither a
-    positive count nor "auto", and a `persistent` or `tma_store` that is not a bool."""
+    tiles are a ValueError naming block_n; so is an `inflight` other than 1 or 2, and a `split_k` that is neither a
+    positive count nor "auto"."""
     qw = k.quantize(_weight(384, 1024, torch.float16), group_size=128)
     x = torch.randn(128, 1024, device="cuda", dtype=torch.float16)
     for tiles, name in (({"block_m": 128, "block_n": 256}, "block_n"), ({"block_m": 64, "block_n": 64}, "block_n"),
                         ({"block_m": 64, "inflight": 3}, "inflight"), ({"block_m": 64, "split_k": 0}, "split_k"),
-                        ({"block_m": 64, "split_k": "fastest"}, "split_k"),
-                        ({"block_m": 64, "persistent": "yes"}, "persistent"),
-                        ({"block_m": 64, "tma_store": 1}, "tma_store")):
+                        ({"block_m": 64, "split_k": "fastest"}, "split_k")):
         config = {**k.tuning.heuristic(128, 384, 1024, 132), "wgmma": tiles}
         with pytest.raises(ValueError, match=name):
             k.triton_kernels.matmul(x, qw.qweight, qw.scales, qw.zeros, None, None, 384, 1024, 128, config)

@@ -138,14 +138,16 @@ def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = N
 
 def _wgmma_heuristic(m: int, rows: int, k: int) -> dict:
     """The wgmma tile of an untuned shape (Hopper, `wgmma_supported`; elsewhere the config it sits in runs): 256
-    rows with the split chosen per call (`wgmma_split`), at 257-1024 tokens (129-1024 where K >= 8192) on weights of
-    16M or more (N x K) whose padded rows it divides. On the H100 table it won at M = 512-1024 on every Llama-3 shape
-    but 8B qkv at 1024 (runs 115-117), and on the untuned shapes timed beside it at fixed splits (runs 115 / 117, the
+    rows with the split chosen per call (`wgmma_split`), from 257 tokens (129 where K >= 8192) on weights of 16M or
+    more (N x K) whose padded rows it divides. On the H100 table it won at M = 512-1024 on every Llama-3 shape but
+    8B qkv at 1024 (runs 115-117), and on the untuned shapes timed beside it at fixed splits (runs 115 / 117, the
     model's split) 1.09-1.57x the dot / dequantize heuristic on Llama-2-7B gate_up / down and Qwen2.5-1.5B gate_up
     at M = 384-1024 (one tie, 0.995); at M = 256 it lost on the gate_up shapes (K 1536-4096: 0.85-0.97) and won on
     Llama-2-7B down (K 11008: 1.49x), as the table took it at M = 256 on every Llama-3 shape with K >= 8192; on the
-    small Qwen2.5-1.5B o / qkv / down (2-14M weights) it lost at every M. docs/design/w4a16.md E44."""
-    if (128 if k >= 8192 else 256) < m <= 1024 and rows % 256 == 0 and rows * k >= 1 << 24:
+    small Qwen2.5-1.5B o / qkv / down (2-14M weights) it lost at every M. docs/design/w4a16.md E44. Since its
+    persistent programs and TMA stores (E49 / E50, run 136) it also beat dequantize + cuBLAS at M = 2048 / 4096 on
+    Llama-2-7B down (1.13x / 1.03x) and Qwen2.5-1.5B gate_up (1.29x / 1.22x)."""
+    if (128 if k >= 8192 else 256) < m and rows % 256 == 0 and rows * k >= 1 << 24:
         return {"wgmma": {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2, "split_k": "auto"}}
     return {}
 

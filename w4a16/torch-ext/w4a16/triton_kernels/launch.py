@@ -59,6 +59,11 @@ def _reduce_splits(part, bias, out, n, swiglu, pdl: bool = False, late_trigger: 
 
 
 @functools.lru_cache(maxsize=None)
+def _shared_memory_per_block(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+@functools.lru_cache(maxsize=None)
 def _sm90_or_newer(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
@@ -185,10 +190,10 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
 
 
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
-    """`wgmma._wgmma_kernel` (Hopper only, `tuning.wgmma_supported`): one program per output block (token tile, row
-    tile of 128 or 256, K split), or with ``"persistent"`` one an SM looping over them, x and the words by host
-    descriptors (encoded per launch, captured by value in CUDA graphs); ``"tma_store"``: the output by TMA stores
-    left in flight, where the launch is unsplit and its rows 16-byte aligned. ``"split_k"``: a count, or ``"auto"``
+    """`wgmma._wgmma_kernel` (Hopper only, `tuning.wgmma_supported`): persistent programs, at most one an SM, each
+    looping over output blocks (token tile, row tile of 128 or 256, K split); x and the words by host descriptors
+    (encoded per launch, captured by value in CUDA graphs), the output by TMA stores left in flight where the
+    launch is unsplit and its rows 16-byte aligned. ``"split_k"``: a count, or ``"auto"``
     (`tuning.wgmma_tail_split`: maybe the first row-tile columns unsplit and the rest split in a second launch)."""
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
     inflight = plan.get("inflight", 1)
@@ -197,10 +202,6 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
                          f"and divide the padded rows ({qweight.shape[0]}); got {plan}")
     if inflight not in (1, 2):
         raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1 or 2; got {plan}")
-    for key, meaning in (("persistent", "one program an SM, looping over the blocks"),
-                         ("tma_store", "the output through shared memory by TMA stores")):
-        if type(plan.get(key, False)) is not bool:
-            raise ValueError(f"config: wgmma {key} ({meaning}) must be true or false; got {plan}")
     split = plan.get("split_k", 1)
     columns = qweight.shape[0] // block_n
     if split == "auto":  # (columns, 1) unsplit, (0, split) all split, or whole waves then the rest split
@@ -242,13 +243,17 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     w_desc = GluonDescriptor(qweight, [(last - first) * block_n, qweight.shape[1]], [qweight.stride(0), 1],
                              [block_n, WORDS_PER_TILE], gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE],
                                                                                               gl.int32))
-    # the output by TMA stores (`"tma_store"`) where TMA can write it: unsplit, rows 16-byte aligned
-    tma_store = (plan.get("tma_store", False) and splits == 1 and (target.stride(0) * target.element_size()) % 16 == 0
-                 and target.data_ptr() % 16 == 0)
+    # the output by TMA stores where TMA can write it (unsplit, rows 16-byte aligned) and its buffers fit beside the
+    # ring: 1.02-1.07x over pointer stores after a layout conversion, the stores of one block overlapping the next
+    # block's start (docs/design/w4a16.md E50); the fp32 partials of a split would need 128 KB of buffers
+    ring = plan.get("num_stages", 4) * (block_n * WORDS_PER_TILE * 4 + block_m * 128 * x.element_size())
+    buffers = block_n * block_m * x.element_size()
+    tma_store = (splits == 1 and (target.stride(0) * target.element_size()) % 16 == 0 and target.data_ptr() % 16 == 0
+                 and ring + buffers + 1024 <= _shared_memory_per_block(x.device.index))
     out_desc = GluonDescriptor(target, [m, n], [target.stride(0), 1], [block_m, 64],
                                gl.NVMMASharedLayout.get_default_for([block_m, 64], x_type)) if tma_store else x_desc
-    blocks = triton.cdiv(m, block_m) * (last - first) * splits
-    programs = min(blocks, device_info(x.device)[1]) if plan.get("persistent", False) else blocks
+    # persistent programs: the ring runs on from one block into the next (E49)
+    programs = min(triton.cdiv(m, block_m) * (last - first) * splits, device_info(x.device)[1])
     # a 256-row tile's second warpgroup is a worker partition, which pipelines only in the edited PTX
     with unlooped_workers(_wgmma_kernel.__name__) if block_n == 256 else contextlib.nullcontext():
         _wgmma_kernel[(programs,)](

@@ -8,9 +8,14 @@ dequantization loops. Here a CTA is partitions sharing mbarrier rings:
   ``[BLOCK_M, 128]`` (zero-filled past M and K);
 - one warpgroup per 128 rows of the tile (``block_n`` 128 or 256: one or two consumers) dequantizes each
   16-column K-chunk straight into the wgmma register operand (RS wgmma, weight rows as the MMA's M, tokens as its
-  N) while the previous chunk's MMA runs, then writes ``out[M, N]``. Nibble j of word c is column ``16 j + c``
-  (`formats`), so chunk j is nibble j of the words, which a thread loads in the operand's own layout. A second
-  warpgroup runs as a worker partition, pipelined only through `warp_specialize.unlooped_workers` (E40).
+  N) while the previous chunk's MMA runs, then writes ``out[M, N]`` (by TMA stores left in flight where it can,
+  E50). Nibble j of word c is column ``16 j + c`` (`formats`), so chunk j is nibble j of the words, which a thread
+  loads in the operand's own layout. A second warpgroup runs as a worker partition, pipelined only through
+  `warp_specialize.unlooped_workers` (E40).
+
+Programs are persistent, at most one an SM: each runs output blocks one after the other, its ring running on
+from one block into the next, so the loader fills it with the next block's K-tiles while the consumers finish
+the last one (E49).
 
 Formats: int4 with scale groups of 32, 64 or multiples of 128, or per channel; integer zero points, symmetric
 or float minima; NF4 (the codebook looked up by byte permutes, `nf4`, two chunks at a time); fp16 or bf16
@@ -336,10 +341,11 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr
                   HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr,
                   PARTIAL: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr):
     """Output blocks (token tile, row tile of 128 or 256 of `columns`, K split) from `program_id` on, a grid apart
-    (one block a program, or persistent programs); a block runs K-tiles [split * per_split, ...) of `num_tiles`;
-    with PARTIAL its fp32 partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction). A
-    consumer warpgroup per 128 rows (the first the default partition, a second a worker) and the loader warp, whose
-    ring runs on across a program's blocks; INFLIGHT chunks of MMAs run beside the next chunk's dequantization."""
+    (persistent programs); a block runs K-tiles [split * per_split, ...) of `num_tiles`; with PARTIAL its fp32
+    partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction), else its output is stored
+    through `out_ptr`, or with TMA_STORE through `out_desc` (`_store_tma`). A consumer warpgroup per 128 rows (the
+    first the default partition, a second a worker) and the loader warp, whose ring runs on across a program's
+    blocks; INFLIGHT chunks of MMAs run beside the next chunk's dequantization."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
