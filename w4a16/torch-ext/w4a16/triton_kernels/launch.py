@@ -245,11 +245,12 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
                                                                                               gl.int32))
     # the output by TMA stores where TMA can write it (unsplit, rows 16-byte aligned) and its buffers fit beside the
     # ring: 1.02-1.07x over pointer stores after a layout conversion, the stores of one block overlapping the next
-    # block's start (docs/design/w4a16.md E50); the fp32 partials of a split would need 128 KB of buffers
+    # block's start (docs/design/w4a16.md E50); the fp32 partials of a split would need 128 KB of buffers. Only the
+    # 256-row tile (every table entry and the heuristic's) has run them on a GPU so far.
     ring = plan.get("num_stages", 4) * (block_n * WORDS_PER_TILE * 4 + block_m * 128 * x.element_size())
     buffers = block_n * block_m * x.element_size()
-    tma_store = (splits == 1 and (target.stride(0) * target.element_size()) % 16 == 0 and target.data_ptr() % 16 == 0
-                 and ring + buffers + 1024 <= _shared_memory_per_block(x.device.index))
+    tma_store = (splits == 1 and block_n == 256 and (target.stride(0) * target.element_size()) % 16 == 0
+                 and target.data_ptr() % 16 == 0 and ring + buffers + 1024 <= _shared_memory_per_block(x.device.index))
     out_desc = GluonDescriptor(target, [m, n], [target.stride(0), 1], [block_m, 64],
                                gl.NVMMASharedLayout.get_default_for([block_m, 64], x_type)) if tma_store else x_desc
     # persistent programs: the ring runs on from one block into the next (E49)
