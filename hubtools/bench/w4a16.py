@@ -645,9 +645,9 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
     """`fmt` (int4, symmetric or with integer `zero_point`s, or NF4) with groups of `group` and activations of
     `x_dtype` at each M in `tokens`: the shipped config (`tuning.select`), every candidate launch and cuBLAS in
     `x_dtype` in one process, each verified against the float64-exact fp32 reference and graph-timed
-    (rotated weights), with registers / shared memory of each compiled variant. With `rounds`, the shipped config
-    and the candidates are then timed again interleaved (`time_graphs_interleaved`): each row's ``us`` is the
-    median of its ``us_rounds``. Written to `out_path` after every shape, so a run cut short keeps what it
+    (rotated weights), with registers / shared memory of each compiled variant. With `rounds`, the shipped config,
+    the candidates and cuBLAS are then timed again interleaved (`time_graphs_interleaved`): each row's ``us`` is
+    the median of its ``us_rounds``. Written to `out_path` after every shape, so a run cut short keeps what it
     measured."""
     tk, tuning = kernel.triton_kernels, kernel.tuning
     device = torch.device("cuda")
@@ -698,18 +698,22 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
                 runs = tuning.for_activations(shipped_config, x_dtype)
                 launches = [_override(runs, v) for v in variants]
             trials = [evaluate("candidate", c) for c in launches]
-            if rounds:
+            def dense(i):
+                return F.linear(xs[i], dense16[i % len(dense16)])
+
+            t_cublas, cublas_err = _time_verified(dense, len(dense16), xs, lambda _: ref, x_dtype, plan)
+            cublas = {"shape": label, "N": n, "K": k, "m": m, "impl": f"cublas-{result['x_dtype']}",
+                      "us": t_cublas * 1e6, "rel_err": cublas_err}
+            if rounds:  # ours and cuBLAS again, in the same rounds (each over all of xs, its weights in turn)
                 timed = [row for row in (shipped, *trials) if "us" in row]
-                per_round = time_graphs_interleaved([launch(row["config"]) for row in timed], shape.copies,
+                per_round = time_graphs_interleaved([launch(row["config"]) for row in timed] + [dense], len(xs),
                                                     calls=plan.get("calls"), rounds=rounds)
                 for row, seconds in zip(timed, per_round):
                     t = statistics.median(seconds)
                     row.update(us=t * 1e6, us_rounds=[x * 1e6 for x in seconds], TBps=nbytes / t / 1e12,
                                pct_copy=100 * nbytes / t / result["copy_bandwidth"])
-            t_cublas, cublas_err = _time_verified(lambda i: F.linear(xs[i], dense16[i % len(dense16)]), len(dense16),
-                                                  xs, lambda _: ref, x_dtype, plan)
-            cublas = {"shape": label, "N": n, "K": k, "m": m, "impl": f"cublas-{result['x_dtype']}",
-                      "us": t_cublas * 1e6, "rel_err": cublas_err}
+                t_cublas = statistics.median(per_round[-1])
+                cublas.update(us=t_cublas * 1e6, us_rounds=[x * 1e6 for x in per_round[-1]])
             result["rows"] += [shipped, *trials, cublas]
             ok = [t for t in trials if "us" in t]
             best = min(ok, key=lambda t: t["us"]) if ok else None
@@ -1000,9 +1004,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", help="--compare-decode times, instead of its candidates, the shipped config "
                         "with each of these overrides (a JSON list of dicts); --dequant-bandwidth times the "
                         "dequantize kernel with each as its keyword arguments")
-    parser.add_argument("--rounds", type=int, help="--compare-decode: time the shipped config and the candidates "
-                        "again in this many interleaved rounds, each row the median (for A / B differences of a few "
-                        "percent)")
+    parser.add_argument("--rounds", type=int, help="--compare-decode: time the shipped config, the candidates and "
+                        "cuBLAS again in this many interleaved rounds, each row the median (for A / B differences of "
+                        "a few percent)")
     parser.add_argument("--dequant-bandwidth", action="store_true",
                         help="instead of the sweep: the dequantize kernel's time and share of copy bandwidth "
                              "(dequant_bandwidth) on the Llama-3 shapes or --shapes, --fmt, --group")
