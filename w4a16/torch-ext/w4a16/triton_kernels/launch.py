@@ -192,8 +192,8 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     """`wgmma._wgmma_kernel` (Hopper only, `tuning.wgmma_supported`): persistent programs, at most one an SM, each
     looping over output blocks (token tile, row tile of 128 or 256, K split); x and the words by host descriptors
-    (encoded per launch, captured by value in CUDA graphs), the output by TMA stores left in flight where the
-    launch is unsplit and its rows 16-byte aligned. ``"split_k"``: a count, or ``"auto"``
+    (encoded per launch, captured by value in CUDA graphs), the output by TMA stores left in flight where
+    `_wgmma_columns` finds they apply (else pointer stores). ``"split_k"``: a count, or ``"auto"``
     (`tuning.wgmma_tail_split`: maybe the first row-tile columns unsplit and the rest split in a second launch)."""
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
     inflight = plan.get("inflight", 1)
