@@ -140,10 +140,11 @@ def _split_sum(part_ptr, offs, mask, stride_split, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N, out_stride,
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N, out_stride, split_stride,
                           SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK: tl.constexpr,
                           PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr, STRIDED: tl.constexpr):
-    """out = sum of the SPLIT fp32 partials ``[SPLIT, M, N]`` in a fixed order (deterministic) + bias, cast once.
+    """out = sum of the SPLIT fp32 partials ``[SPLIT, M, N]`` (`split_stride` elements apart) in a fixed order
+    (deterministic) + bias, cast once.
     SWIGLU: `out` is ``[M, N // 2]``, silu(gate) * up of the summed fused rows (bias added first); it also runs
     with SPLIT = 1 on the 16-bit product of dequantize + cuBLAS (its SwiGLU epilogue). PDL: launched as a
     programmatic dependent of the split kernel, the next kernel let launch at once, or after the stores with
@@ -156,14 +157,14 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, total, N, out_stride,
         half = N // 2
         col = offs % half
         gate_offs = (offs // half) * N + (col // _PAIR) * (2 * _PAIR) + col % _PAIR
-        gate = _split_sum(part_ptr, gate_offs, mask, 2 * total, SPLIT)
-        up = _split_sum(part_ptr, gate_offs + _PAIR, mask, 2 * total, SPLIT)
+        gate = _split_sum(part_ptr, gate_offs, mask, split_stride, SPLIT)
+        up = _split_sum(part_ptr, gate_offs + _PAIR, mask, split_stride, SPLIT)
         if HAS_BIAS:
             gate += tl.load(bias_ptr + gate_offs % N, mask=mask, other=0.0).to(tl.float32)
             up += tl.load(bias_ptr + gate_offs % N + _PAIR, mask=mask, other=0.0).to(tl.float32)
         acc = _silu_mul(gate, up)
     else:
-        acc = _split_sum(part_ptr, offs, mask, total, SPLIT)
+        acc = _split_sum(part_ptr, offs, mask, split_stride, SPLIT)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     if STRIDED:

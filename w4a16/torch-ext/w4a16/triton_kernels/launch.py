@@ -52,7 +52,7 @@ def _reduce_splits(part, bias, out, n, swiglu, pdl: bool = False, late_trigger: 
     strided = out.stride(0) != out.shape[1]
     block = 1024
     _splitk_reduce_kernel[(triton.cdiv(total, block),)](
-        part, _or(bias, part), out, total, n, out.stride(0),
+        part, _or(bias, part), out, total, n, out.stride(0), part.stride(0),
         SPLIT=part.shape[0], HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK=block, PDL=pdl, LATE_TRIGGER=late_trigger,
         STRIDED=strided, num_warps=4, launch_pdl=pdl,
     )
@@ -236,23 +236,36 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     scales, zeros, mins, bias = params
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, split)
-    splits, target = _split_targets(x, out, n, num_tiles, per_split)
+    splits = triton.cdiv(num_tiles, per_split)
+    # the output by TMA stores where TMA can write it and its buffers (per 64-row chain 64 columns of x's dtype or
+    # 32 of fp32) fit beside the ring: 1.02-1.07x over pointer stores after a layout conversion, the stores of one
+    # block overlapping the next block's start (docs/design/w4a16.md E50)
+    ring = plan.get("num_stages", 4) * (block_n * WORDS_PER_TILE * 4 + block_m * 128 * x.element_size())
+    fits = ring + block_n * block_m * 2 + 1024 <= _shared_memory_per_block(x.device.index)
+    # a split's fp32 partial sums by TMA stores (plan "partial_tma"): each part's rows padded to whole token tiles,
+    # so that no tile's box reaches into the next part
+    partial_tma = fits and splits > 1 and plan.get("partial_tma", False) and n % 4 == 0
+    if partial_tma:
+        padded = torch.empty(splits, triton.cdiv(m, block_m) * block_m, n, dtype=torch.float32, device=x.device)
+        target = padded[:, :m]
+    else:
+        splits, target = _split_targets(x, out, n, num_tiles, per_split)
     x_type = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
     x_desc = GluonDescriptor(x, [m, k], [x.stride(0), 1], [block_m, 128],
                              gl.NVMMASharedLayout.get_default_for([block_m, 128], x_type))
     w_desc = GluonDescriptor(qweight, [(last - first) * block_n, qweight.shape[1]], [qweight.stride(0), 1],
                              [block_n, WORDS_PER_TILE], gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE],
                                                                                               gl.int32))
-    # the output by TMA stores where TMA can write it (unsplit, rows 16-byte aligned) and its buffers fit beside the
-    # ring: 1.02-1.07x over pointer stores after a layout conversion, the stores of one block overlapping the next
-    # block's start (docs/design/w4a16.md E50); the fp32 partials of a split would need 128 KB of buffers. Only the
-    # 256-row tile (every table entry and the heuristic's) has run them on a GPU so far.
-    ring = plan.get("num_stages", 4) * (block_n * WORDS_PER_TILE * 4 + block_m * 128 * x.element_size())
-    buffers = block_n * block_m * x.element_size()
-    tma_store = (splits == 1 and block_n == 256 and (target.stride(0) * target.element_size()) % 16 == 0
-                 and target.data_ptr() % 16 == 0 and ring + buffers + 1024 <= _shared_memory_per_block(x.device.index))
-    out_desc = GluonDescriptor(target, [m, n], [target.stride(0), 1], [block_m, 64],
-                               gl.NVMMASharedLayout.get_default_for([block_m, 64], x_type)) if tma_store else x_desc
+    tma_store = fits and (partial_tma or splits == 1 and (target.stride(0) * target.element_size()) % 16 == 0
+                          and target.data_ptr() % 16 == 0)
+    if tma_store and partial_tma:
+        out_desc = GluonDescriptor(padded.view(-1, n), [padded.shape[0] * padded.shape[1], n], [n, 1], [block_m, 32],
+                                   gl.NVMMASharedLayout.get_default_for([block_m, 32], gl.float32))
+    elif tma_store:
+        out_desc = GluonDescriptor(target, [m, n], [target.stride(0), 1], [block_m, 64],
+                                   gl.NVMMASharedLayout.get_default_for([block_m, 64], x_type))
+    else:
+        out_desc = x_desc
     # persistent programs: the ring runs on from one block into the next (E49)
     programs = min(triton.cdiv(m, block_m) * (last - first) * splits, device_info(x.device)[1])
     # a 256-row tile's second warpgroup is a worker partition, which pipelines only in the edited PTX

@@ -204,6 +204,21 @@ def _store_tma(acc, c_buf, out_desc, bias_ptr, off_m, off_n, N, HAS_BIAS: gl.con
 
 
 @gluon.jit
+def _store_tma_partial(acc, c_pair, out_desc, row, col):
+    """``out[row + m, col + n] = acc[n, m]`` (fp32 partial sums of a split) by two TMA stores of ``[BLOCK_M, 32]``
+    (a 128-byte swizzled fp32 row holds 32 columns), left in flight: both chains of a consumer use the same pair of
+    buffers, so each waits until the stores before it have read them."""
+    BLOCK_M: gl.constexpr = acc.type.shape[1]
+    tma.store_wait(0)
+    # rows n < 32 then n >= 32 of acc, each as [BLOCK_M, 32]: in registers only a new layout, no data moved
+    halves = gl.reshape(gl.permute(gl.reshape(acc, [2, 32, BLOCK_M]), (0, 2, 1)), [2 * BLOCK_M, 32])
+    c_pair.store(halves)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [row, col], c_pair.slice(0, BLOCK_M))
+    tma.async_copy_shared_to_global(out_desc, [row, col + 32], c_pair.slice(BLOCK_M, BLOCK_M))
+
+
+@gluon.jit
 def _opaque_zeros(shape: gl.constexpr, layout: gl.constexpr):
     """fp32 zeros ptxas sees as the result of an opaque move (inline asm, not pure), not as a constant: a constant
     accumulator must be copied into the K loop's result registers on its zero-trip path, and in a worker partition
@@ -323,7 +338,11 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
         # the block's last x slot back to the loader, which may be filling the ring for this program's next block
         mbarrier.arrive(x_empty.index((step + stages - 1) % stages), count=1, pred=num_tiles > 0)
-        if TMA_STORE:
+        if TMA_STORE and PARTIAL:  # split parts' rows of M rounded up to whole token tiles
+            row = split * gl.cdiv(M, BLOCK_M) * BLOCK_M + off_m
+            _store_tma_partial(acc0, c_bufs.index(ROW0 // 128), out_desc, row, off_n + ROW0)
+            _store_tma_partial(acc1, c_bufs.index(ROW0 // 128), out_desc, row, off_n + ROW0 + 64)
+        elif TMA_STORE:
             _store_tma(acc0, c_bufs.index(ROW0 // 64), out_desc, bias_ptr, off_m, off_n + ROW0, N, HAS_BIAS)
             _store_tma(acc1, c_bufs.index(ROW0 // 64 + 1), out_desc, bias_ptr, off_m, off_n + ROW0 + 64, N, HAS_BIAS)
         else:
@@ -363,7 +382,9 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr
         mbarrier.init(w_empty.index(i), count=consumers)
         mbarrier.init(x_ready.index(i), count=1)
         mbarrier.init(x_empty.index(i), count=consumers)
-    if TMA_STORE:  # a [BLOCK_M, 64] output tile per 64-row chain (out_desc's block)
+    if TMA_STORE and PARTIAL:  # per consumer two [BLOCK_M, 32] fp32 halves of a chain, as out_desc's block
+        c_bufs = gl.allocate_shared_memory(gl.float32, [BLOCK_N // 128, 2 * BLOCK_M, 32], out_desc.layout)
+    elif TMA_STORE:  # per 64-row chain a [BLOCK_M, 64] output tile (out_desc's block)
         c_bufs = gl.allocate_shared_memory(dtype, [BLOCK_N // 64] + out_desc.block_type.shape, out_desc.layout)
     else:
         c_bufs = w_bufs
