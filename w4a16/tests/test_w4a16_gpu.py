@@ -309,23 +309,18 @@ def _check_wgmma(k, x, qw, bias, tiles):
                                      (1000, {"block_m": 128, "block_n": 128, "num_stages": 4, "split_k": 2}),
                                      (700, {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
                                             "split_k": "auto"}),
-                                     (1000, {"block_m": 128, "block_n": 128, "num_stages": 4, "split_k": 2,
-                                             "partial_tma": True}),
                                      (1000, {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
-                                             "split_k": 3, "partial_tma": True}),
-                                     (700, {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
-                                            "split_k": "auto", "partial_tma": True})],
-                         ids=["2000-64x256", "1000-128x128-split2", "700-128x256-auto", "1000-128x128-split2-ptma",
-                              "1000-128x256-split3-ptma", "700-128x256-auto-ptma"])
+                                             "split_k": 3})],
+                         ids=["2000-64x256", "1000-128x128-split2", "700-128x256-auto", "1000-128x256-split3"])
 @pytest.mark.parametrize("n", [3000, 2998], ids=["tma-stores", "pointer-stores"])
 def test_wgmma_blocks_after_blocks_vs_float64(k, fmt, zero_point, group_size, dtype, m, tiles, n):
     """Persistent programs, each running several output blocks one after the other on one ring (2000 tokens: 32
     token tiles x 12 row tiles on 132 programs; 8 x 24 x 2 split parts; the tail split's two launches), K = 4480
     (35 K-tiles, so the ring's slot and phase at a block's start vary), with a bias, on poisoned outputs against
     float64; the unsplit outputs by TMA stores whose buffers are reused block after block, or by pointer stores
-    where an output row is not 16-byte aligned (N = 2998); with "partial_tma" the split parts' fp32 sums by TMA
-    stores into parts padded to whole token tiles (1000 tokens: the last tile's box reaches past M), or by pointer
-    stores where N is not a multiple of 4."""
+    where an output row is not 16-byte aligned (N = 2998); the split parts' fp32 sums likewise by TMA stores into
+    parts padded to whole token tiles (1000 tokens: the last tile's box reaches past M), or by pointer stores where
+    N is not a multiple of 4."""
     kk = 4480
     qw = k.quantize(_weight(n, kk, dtype, seed=10), group_size=group_size, zero_point=zero_point, fmt=fmt)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
