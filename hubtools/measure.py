@@ -13,7 +13,10 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import subprocess
 import sys
+import tempfile
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -127,6 +130,67 @@ def time_graphs_interleaved(
             times[i].append(_replay_seconds(graphs[i]) / calls)
     del graphs
     return times
+
+
+class ClockLog:
+    """The GPU's SM clock, power draw and clock-limit reasons (a hex mask; 0x4 is the power cap) sampled by
+    ``nvidia-smi`` every `interval_ms` while the block runs; `between` gives the samples of a span of
+    ``time.time()``. The sampler writes to a file: a pipe nobody reads until the end fills and stops it."""
+
+    FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
+
+    def __init__(self, interval_ms: int = 20):
+        self.interval_ms = interval_ms
+        self.samples: list[dict] = []
+
+    def __enter__(self) -> "ClockLog":
+        self._file = tempfile.TemporaryFile("w+")
+        self._process = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
+                                          "-lms", str(self.interval_ms)], stdout=self._file, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._process.terminate()
+        self._process.wait()
+        self._file.seek(0)
+        self.samples = parse_clock_samples(self._file.read())
+        self._file.close()
+
+    def between(self, start: float, end: float) -> list[dict]:
+        return [s for s in self.samples if start <= s["t"] <= end]
+
+
+def parse_clock_samples(text: str) -> list[dict]:
+    """`ClockLog`'s nvidia-smi lines (``2026/12/06 18:08:07.123, 1455, 690.53, 0x0000000000000004``) as dicts with
+    ``t`` in ``time.time()`` seconds (nvidia-smi stamps local time, as ``time.mktime`` reads it); lines with a
+    field the driver could not read (``[N/A]``) are left out."""
+    samples = []
+    for line in text.splitlines():
+        fields = [v.strip() for v in line.split(",")]
+        if len(fields) != 4:
+            continue
+        stamp, sm, power, reasons = fields
+        whole, _, fraction = stamp.partition(".")
+        try:
+            t = time.mktime(time.strptime(whole, "%Y/%m/%d %H:%M:%S")) + float("0." + (fraction or "0"))
+            samples.append({"t": t, "sm_mhz": int(sm), "power_w": float(power), "reasons": reasons})
+        except ValueError:
+            continue
+    return samples
+
+
+def sustained_replays(fn: Callable[[int], object], n_inputs: int, seconds: float, *,
+                      calls: int = 20) -> list[tuple[float, float]]:
+    """(seconds since the start, seconds per call) of each replay of `calls` calls of `fn(i)` (captured as
+    `time_graph` does), replayed back to back for `seconds`: how a kernel runs once the card's power and heat
+    limits have set its clocks, where `time_graph`'s best replay reads the first milliseconds."""
+    graph = _captured(fn, n_inputs, calls)
+    replays = []
+    start = time.time()
+    while time.time() - start < seconds:
+        replays.append((time.time() - start, _replay_seconds(graph) / calls))
+    del graph
+    return replays
 
 
 def environment(command: Sequence[str] | None = None, device: torch.device | str | None = None) -> dict:

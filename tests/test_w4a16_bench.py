@@ -158,3 +158,37 @@ def test_interleaved_timing_replays_each_graph_once_a_round_from_a_moving_start(
     times = measure.time_graphs_interleaved([0, 1, 2], 4, calls=5, rounds=4)
     assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2]
     assert times == [[2.0] * 4, [4.0] * 4, [6.0] * 4]
+
+
+def test_clock_samples_parse_nvidia_smi_lines_and_drop_unread_ones():
+    """`parse_clock_samples` (what `ClockLog` records): time stamps to ``time.time()`` seconds with their
+    fraction, the clock, power and limit reasons as read; a line with ``[N/A]`` or of other fields is left out;
+    `between` keeps the samples inside a span."""
+    import time
+
+    from hubtools import measure
+
+    text = ("2026/12/06 18:08:07.120, 1455, 690.53, 0x0000000000000004\n"
+            "2026/12/06 18:08:07.140, [N/A], 690.00, 0x0000000000000004\n"
+            "garbage line\n"
+            "2026/12/06 18:08:08.000, 1980, 116.2, 0x0000000000000000\n")
+    samples = measure.parse_clock_samples(text)
+    base = time.mktime(time.strptime("2026/12/06 18:08:07", "%Y/%m/%d %H:%M:%S"))
+    assert [(round(s["t"] - base, 3), s["sm_mhz"], s["power_w"], s["reasons"]) for s in samples] == [
+        (0.12, 1455, 690.53, "0x0000000000000004"), (1.0, 1980, 116.2, "0x0000000000000000")]
+    log = measure.ClockLog()
+    log.samples = samples
+    assert [s["sm_mhz"] for s in log.between(base + 0.5, base + 2)] == [1980]
+
+
+def test_sustained_replays_time_each_replay_until_the_time_is_up(monkeypatch):
+    """`sustained_replays`: the graph is replayed back to back until `seconds` have passed, each replay's time
+    divided by the captured calls and stamped with the seconds since the start."""
+    from hubtools import measure
+
+    now = iter(range(100))
+    monkeypatch.setattr(measure.time, "time", lambda: float(next(now)))
+    monkeypatch.setattr(measure, "_captured", lambda fn, n_inputs, calls: "graph")
+    monkeypatch.setattr(measure, "_replay_seconds", lambda graph: 8.0)
+    replays = measure.sustained_replays(lambda i: None, 3, 4.5, calls=4)
+    assert replays == [(2.0, 2.0), (4.0, 2.0)]  # the clock read once to test, once to stamp each replay

@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..measure import (environment, measure_copy_bandwidth, measure_matmul_flops, rotation_count, time_graph,
-                       time_graphs_interleaved, warm_clocks)
+from ..measure import (ClockLog, environment, measure_copy_bandwidth, measure_matmul_flops, rotation_count,
+                       sustained_replays, time_graph, time_graphs_interleaved, warm_clocks)
 
 SHAPES = (  # (label, K, N)
     ("L3-8B qkv", 4096, 6144),
@@ -905,6 +905,57 @@ def dequant_bandwidth(kernel, shapes=SHAPES, fmt: str = "int4", group: int = GRO
     return {"env": environment(), "copy_bandwidth": bandwidth, "fmt": fmt, "group": group, "rows": rows}
 
 
+def sustained(kernel, shapes=SHAPES[:4], tokens=(4096,), seconds: float = 2.5, settle: float = 0.3,
+              log: Callable[[str], None] = print) -> dict:
+    """The shipped launch and cuBLAS fp16 each replayed back to back for `seconds` (`sustained_replays`, after a
+    second idle so that each starts from the same cool card) while `ClockLog` samples the clocks: per phase the
+    first replay's time per call, the median after `settle` seconds, and the median SM clock and power over the
+    same span. Tells whether a gap to cuBLAS at large M is the clocks the power cap leaves each kernel, or the
+    kernel's work per clock (docs/design/w4a16.md, run 139). int4 g128 symmetric, fp16 x, verified first."""
+    rows = []
+    with ClockLog() as clocks:
+        warm_clocks()
+        for label, k, n in shapes:
+            shape = _Shape(kernel, k, n)
+            dense16 = shape.dense_copies(torch.float16)
+            for m in tokens:
+                xs = _inputs(m, k, torch.float16, max(shape.copies, len(dense16)))
+                config = dict(kernel.tuning.select(m, n, k, torch.device("cuda")))
+
+                def ours(i):
+                    q = shape.qws[i % shape.copies]
+                    return kernel.triton_kernels.matmul(xs[i], q.qweight, q.scales, q.zeros, q.codebook, None, n, k,
+                                                        GROUP, config)
+
+                def dense(i):
+                    return F.linear(xs[i], dense16[i % len(dense16)])
+
+                ref = shape.reference(xs[0])
+                for impl, fn in (("shipped", ours), ("cublas-float16", dense)):
+                    err = _rel_err(fn(0), ref)
+                    if not math.isfinite(err) or err > _tolerance(torch.float16):
+                        raise AssertionError(f"{label} M={m} {impl}: verification failed, relative error {err:.3g}")
+                    torch.cuda.synchronize()
+                    time.sleep(1.0)
+                    start = time.time()
+                    replays = sustained_replays(fn, len(xs), seconds)
+                    steady = [us for t, us in replays if t >= settle]
+                    samples = clocks.between(start + settle, time.time())
+                    rows.append({"shape": label, "N": n, "K": k, "m": m, "impl": impl,
+                                 "config": config if impl == "shipped" else None, "rel_err": err,
+                                 "us_first": replays[0][1] * 1e6, "us_sustained": statistics.median(steady) * 1e6,
+                                 "replays": len(replays), "samples": len(samples),
+                                 "sm_mhz": statistics.median(x["sm_mhz"] for x in samples) if samples else None,
+                                 "power_w": statistics.median(x["power_w"] for x in samples) if samples else None,
+                                 "reasons": sorted({x["reasons"] for x in samples})})
+                    r = rows[-1]
+                    log(f"{label} M={m} {impl}: first {r['us_first']:.1f} us, sustained {r['us_sustained']:.1f} us at "
+                        f"{r['sm_mhz']} MHz, {r['power_w']} W")
+            del shape, dense16
+            torch.cuda.empty_cache()
+    return {"env": environment(), "seconds": seconds, "settle": settle, "rows": rows}
+
+
 def load_speed(kernel, folder, *, layers: int = 8, n: int = 4096, k: int = 4096, group: int = 128,
                device: str = "cpu", repeats: int = 3) -> dict:
     """The loader against the read: a GPTQ checkpoint of `layers` random [n, k] linears (int4 g128 symmetric, v1
@@ -1007,6 +1058,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="--compare-decode: time the shipped config, the candidates and "
                         "cuBLAS again in this many interleaved rounds, each row the median (for A / B differences of "
                         "a few percent)")
+    parser.add_argument("--sustained", type=float, metavar="SECONDS",
+                        help="instead of the sweep: the shipped launch and cuBLAS each replayed for SECONDS with the "
+                             "clocks and power sampled (sustained), --shapes at --tokens")
     parser.add_argument("--dequant-bandwidth", action="store_true",
                         help="instead of the sweep: the dequantize kernel's time and share of copy bandwidth "
                              "(dequant_bandwidth) on the Llama-3 shapes or --shapes, --fmt, --group")
@@ -1056,6 +1110,13 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(merge_compare(table, compared)))
             args.table.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
             print(f"wrote {args.table}")
+        return 0
+    if args.sustained:
+        with loaded_kernel(project) as module:
+            measured = sustained(module, [s for s in SHAPES if args.shapes is None or s[0] in args.shapes],
+                                 tuple(args.tokens), args.sustained)
+        args.out.write_text(json.dumps(measured, indent=1) + "\n")
+        print(f"wrote {args.out}")
         return 0
     if args.dequant_bandwidth:
         with loaded_kernel(project) as module:
