@@ -266,25 +266,47 @@ WGMMA_FORMATS = [("int4", False, 128), ("int4", True, 128), ("int4", True, 256),
                  ("nf4", False, -1)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="wgmma is Hopper's (sm_90a)")
-@pytest.mark.parametrize("fmt,zero_point,group_size", WGMMA_FORMATS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tiles", [{"block_m": 128, "num_stages": 4}, {"block_m": 64, "num_stages": 4, "split_k": 3},
-                                   {"block_m": 128, "num_stages": 3, "inflight": 2},
-                                   {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2},
-                                   {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3}],
-                         ids=["128x128", "64x128-split3", "128x128-inflight2", "128x256-inflight2", "64x256-split3"])
-@pytest.mark.parametrize("m", [64, 300])
-def test_wgmma_vs_float64(k, fmt, zero_point, group_size, dtype, tiles, m):
-    """The Gluon kernel (a TMA loader warp beside a warpgroup dequantizing into its register operand) on poisoned
-    outputs against float64: M = 300 leaves a partial token tile, N = 3000 a partial row tile, K = 5000 (per
+WGMMA_TILES = {"128x128": {"block_m": 128, "num_stages": 4},
+               "64x128-split3": {"block_m": 64, "num_stages": 4, "split_k": 3},
+               "128x128-inflight2": {"block_m": 128, "num_stages": 3, "inflight": 2},
+               "128x256-inflight2": {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2},
+               "64x256-split3": {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3}}
+
+
+def _wgmma_case(k, fmt, zero_point, group_size, dtype, tiles, m):
+    """M = 300 leaves a partial token tile (M = 64 a box larger than M), N = 3000 a partial row tile, K = 5000 (per
     channel) a partial K-tile that TMA zero-fills; many K-tiles, so every ring slot is reused many times."""
     n, kk = 3000, 5120 if group_size != -1 else 5000
     qw = k.quantize(_weight(n, kk, dtype, seed=8), group_size=group_size, zero_point=zero_point, fmt=fmt)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     _check_wgmma(k, x, qw, bias, tiles)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="wgmma is Hopper's (sm_90a)")
+@pytest.mark.parametrize("fmt,zero_point,group_size", WGMMA_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tiles", ["128x256-inflight2", "64x128-split3"])
+def test_wgmma_formats_vs_float64(k, fmt, zero_point, group_size, dtype, tiles):
+    """Every format and activation dtype through the Gluon kernel (a TMA loader warp beside warpgroups dequantizing
+    into their register operand) on poisoned outputs against float64, on the two code paths a format meets: two
+    consumer warpgroups with two chunks of MMAs in flight and TMA stores, and one consumer with one chunk in flight
+    writing fp32 split parts (`_wgmma_case`)."""
+    _wgmma_case(k, fmt, zero_point, group_size, dtype, WGMMA_TILES[tiles], 300)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="wgmma is Hopper's (sm_90a)")
+@pytest.mark.parametrize("fmt,zero_point,group_size,dtype", [("int4", True, 128, torch.float16),
+                                                             ("int4", "float", 32, torch.bfloat16),
+                                                             ("nf4", False, 64, torch.bfloat16)])
+@pytest.mark.parametrize("tiles", list(WGMMA_TILES))
+@pytest.mark.parametrize("m", [64, 300])
+def test_wgmma_tiles_vs_float64(k, fmt, zero_point, group_size, dtype, tiles, m):
+    """Every tile at a partial token tile and at one smaller than the tile (`_wgmma_case`), with an int4 zero-point,
+    an int4 float-minimum g32 and an NF4 g64 weight (formats x tiles: `test_wgmma_formats_vs_float64`)."""
+    _wgmma_case(k, fmt, zero_point, group_size, dtype, WGMMA_TILES[tiles], m)
 
 
 def _check_wgmma(k, x, qw, bias, tiles):
