@@ -270,6 +270,7 @@ WGMMA_TILES = {"128x128": {"block_m": 128, "num_stages": 4},
                "64x128-split3": {"block_m": 64, "num_stages": 4, "split_k": 3},
                "128x128-inflight2": {"block_m": 128, "num_stages": 3, "inflight": 2},
                "128x256-inflight2": {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2},
+               "128x256-inflight3": {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 3},
                "64x256-split3": {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3}}
 
 
@@ -548,12 +549,12 @@ def test_mma_gemv_leaves_formats_it_does_not_take_to_the_config_beneath(k):
                     reason="wgmma is Hopper's (sm_90a)")
 def test_wgmma_refuses_tiles_it_does_not_have(k):
     """The row tile is 128 or 256 rows (a dequantizing warpgroup per 128) and must divide the padded rows; other
-    tiles are a ValueError naming block_n; so is an `inflight` other than 1 or 2, and a `split_k` that is neither a
+    tiles are a ValueError naming block_n; so is an `inflight` other than 1, 2 or 3, and a `split_k` that is neither a
     positive count nor "auto"."""
     qw = k.quantize(_weight(384, 1024, torch.float16), group_size=128)
     x = torch.randn(128, 1024, device="cuda", dtype=torch.float16)
     for tiles, name in (({"block_m": 128, "block_n": 256}, "block_n"), ({"block_m": 64, "block_n": 64}, "block_n"),
-                        ({"block_m": 64, "inflight": 3}, "inflight"), ({"block_m": 64, "split_k": 0}, "split_k"),
+                        ({"block_m": 64, "inflight": 4}, "inflight"), ({"block_m": 64, "split_k": 0}, "split_k"),
                         ({"block_m": 64, "split_k": "fastest"}, "split_k")):
         config = {**k.tuning.heuristic(128, 384, 1024, 132), "wgmma": tiles}
         with pytest.raises(ValueError, match=name):

@@ -200,8 +200,8 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
     if block_n not in (128, 256) or qweight.shape[0] % block_n:
         raise ValueError("config: wgmma block_n (rows per tile: a dequantizing warpgroup per 128) must be 128 or 256 "
                          f"and divide the padded rows ({qweight.shape[0]}); got {plan}")
-    if inflight not in (1, 2):
-        raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1 or 2; got {plan}")
+    if inflight not in (1, 2, 3):
+        raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1, 2 or 3; got {plan}")
     split = plan.get("split_k", 1)
     columns = qweight.shape[0] // block_n
     if split == "auto":  # (columns, 1) unsplit, (0, split) all split, or whole waves then the rest split

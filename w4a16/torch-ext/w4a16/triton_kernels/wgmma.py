@@ -277,7 +277,7 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
     accumulators of their own: one operand of several MMA repetitions made ptxas serialize every wgmma (C7515,
     "non wgmma instructions defining accumulator registers"); separate chains do not (docs/design/w4a16.md E12,
     E13). As a worker partition it pipelines only with its accumulators zeroed by `_opaque_zeros` and its PTX
-    edited (`warp_specialize`, E40). INFLIGHT (1 or 2): the chunks whose MMAs may still run when the next chunk's
+    edited (`warp_specialize`, E40). INFLIGHT (1, 2 or 3): the chunks whose MMAs may still run when the next chunk's
     dequantization starts; each keeps its operand registers live until the wait that retires it. NF4 makes the
     operands of chunks j and j + 1 at even j (`_nf4_chunks`)."""
     (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, out_desc,
@@ -293,6 +293,8 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
     prev1 = gl.zeros([64, 16], dtype, layout=a_layout)
     older0 = gl.zeros([64, 16], dtype, layout=a_layout)
     older1 = gl.zeros([64, 16], dtype, layout=a_layout)
+    oldest0 = gl.zeros([64, 16], dtype, layout=a_layout)
+    oldest1 = gl.zeros([64, 16], dtype, layout=a_layout)
     if NF4:
         tables = _nf4_tables(cb_ptr, gl.zeros([64, 16], gl.int32, layout=a_layout), gl.float16, 1.0)
     one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
@@ -350,9 +352,16 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
                 # that is the previous K-tile's last chunk, its x slot goes back to the loader
                 if INFLIGHT == 1:
                     acc0, acc1, prev0, prev1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1, prev0, prev1))
-                else:
+                elif INFLIGHT == 2:
                     acc0, acc1, older0, older1 = warpgroup_mma_wait(num_outstanding=4,
                                                                     deps=(acc0, acc1, older0, older1))
+                    older0 = prev0
+                    older1 = prev1
+                else:
+                    acc0, acc1, oldest0, oldest1 = warpgroup_mma_wait(num_outstanding=6,
+                                                                      deps=(acc0, acc1, oldest0, oldest1))
+                    oldest0 = older0
+                    oldest1 = older1
                     older0 = prev0
                     older1 = prev1
                 if j == INFLIGHT - 1:
