@@ -126,7 +126,7 @@ def _nf4_chunks_constraints(half_scale):
 
 
 @gluon.jit
-def _group_words(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr):
+def _group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr):
     """One group's stored scales, zero points and minima for `rows` as loaded (the scales stand in for what the
     format lacks); `_group_params` converts them, where they are used, so a load issued a step early (PREFETCH)
     is not waited for at once."""
@@ -167,10 +167,10 @@ def _group_params(stored, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl
 
 
 @gluon.jit
-def _chain_words(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr):
-    """Group g's stored parameters for the two 64-row chains from `rows` on (`_group_words`)."""
-    return (_group_words(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN),
-            _group_words(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN))
+def _chain_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr):
+    """Group g's stored parameters for the two 64-row chains from `rows` on (`_group_stored`)."""
+    return (_group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN),
+            _group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN))
 
 
 @gluon.jit
@@ -306,17 +306,17 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
         acc1 = _opaque_zeros([64, BLOCK_M], acc_layout)
         if PREFETCH:  # each group's parameters are loaded one group ahead of their use
             last_group = 0 if PER_CHANNEL else ((tile0 + num_tiles) * 128 - 1) // GROUP
-            pending = _chain_words(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile0 * 128 // GROUP, s_stride, rows,
+            pending = _chain_stored(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile0 * 128 // GROUP, s_stride, rows,
                                    HAS_ZERO, HAS_MIN)
         for t in range(num_tiles):
             tile = tile0 + t
             if one_group and PREFETCH:
                 params0, params1 = _chain_params(pending, HAS_ZERO, HAS_MIN, NF4, dtype)
-                pending = _chain_words(s_ptr, z_ptr, m_ptr, gl.minimum((tile + 1) * 128 // GROUP, last_group),
+                pending = _chain_stored(s_ptr, z_ptr, m_ptr, gl.minimum((tile + 1) * 128 // GROUP, last_group),
                                        s_stride, rows, HAS_ZERO, HAS_MIN)
             elif one_group:  # issued before the barrier waits, so its latency overlaps them
                 params0, params1 = _chain_params(
-                    _chain_words(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP, s_stride, rows,
+                    _chain_stored(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP, s_stride, rows,
                                  HAS_ZERO, HAS_MIN), HAS_ZERO, HAS_MIN, NF4, dtype)
             s = step % stages
             phase = (step // stages) & 1
@@ -328,12 +328,12 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
             for j in gl.static_range(8):
                 if not one_group and (16 * j) % GROUP == 0 and PREFETCH:
                     params0, params1 = _chain_params(pending, HAS_ZERO, HAS_MIN, NF4, dtype)
-                    pending = _chain_words(s_ptr, z_ptr, m_ptr,
+                    pending = _chain_stored(s_ptr, z_ptr, m_ptr,
                                            gl.minimum((tile * 128 + 16 * j) // GROUP + 1, last_group), s_stride,
                                            rows, HAS_ZERO, HAS_MIN)
                 elif not one_group and (16 * j) % GROUP == 0:
                     params0, params1 = _chain_params(
-                        _chain_words(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows, HAS_ZERO,
+                        _chain_stored(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows, HAS_ZERO,
                                      HAS_MIN), HAS_ZERO, HAS_MIN, NF4, dtype)
                 x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
                 if NF4:
