@@ -333,11 +333,8 @@ def _check_wgmma(k, x, qw, bias, tiles):
                                      (700, {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
                                             "split_k": "auto"}),
                                      (1000, {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
-                                             "split_k": 3}),
-                                     (1000, {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
-                                             "split_k": 3, "prefetch_params": True})],
-                         ids=["2000-64x256", "1000-128x128-split2", "700-128x256-auto", "1000-128x256-split3",
-                              "1000-128x256-split3-prefetch"])
+                                             "split_k": 3})],
+                         ids=["2000-64x256", "1000-128x128-split2", "700-128x256-auto", "1000-128x256-split3"])
 @pytest.mark.parametrize("n", [3000, 2998], ids=["tma-stores", "pointer-stores"])
 def test_wgmma_blocks_after_blocks_vs_float64(k, fmt, zero_point, group_size, dtype, m, tiles, n):
     """Persistent programs, each running several output blocks one after the other on one ring (2000 tokens: 32
@@ -346,8 +343,7 @@ def test_wgmma_blocks_after_blocks_vs_float64(k, fmt, zero_point, group_size, dt
     float64; the unsplit outputs by TMA stores whose buffers are reused block after block, or by pointer stores
     where an output row is not 16-byte aligned (N = 2998); the split parts' fp32 sums likewise by TMA stores into
     parts padded to whole token tiles (1000 tokens: the last tile's box reaches past M), or by pointer stores where
-    N is not a multiple of 4; "prefetch_params" loads each group's parameters a group ahead (per K-tile for
-    g128, per chunk pair for g32 / g64), up to the last group of the block's K range."""
+    N is not a multiple of 4."""
     kk = 4480
     qw = k.quantize(_weight(n, kk, dtype, seed=10), group_size=group_size, zero_point=zero_point, fmt=fmt)
     x = torch.randn(m, kk, device="cuda", dtype=dtype)

@@ -275,8 +275,7 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
             target, out_desc, m, n, last - first, num_tiles, per_split, scales.stride(0), target.stride(-2),
             GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
             HAS_MIN=mins is not None, NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
-            STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), TMA_STORE=tma_store,
-            PREFETCH=bool(plan.get("prefetch_params", False)), num_warps=4,
+            STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), TMA_STORE=tma_store, num_warps=4,
         )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False)

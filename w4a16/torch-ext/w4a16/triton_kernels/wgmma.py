@@ -126,58 +126,44 @@ def _nf4_chunks_constraints(half_scale):
 
 
 @gluon.jit
-def _group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr):
-    """One group's stored scales, zero points and minima for `rows` as loaded (the scales stand in for what the
-    format lacks); `_group_params` converts them, where they are used, so a load issued a step early (PREFETCH)
-    is not waited for at once."""
+def _nf4_scale(s_ptr, g, s_stride, rows, dtype: gl.constexpr):
+    """One group's scales for `rows` as `_nf4_chunks_asm` multiplies them: fp16 where x and the scales are, else
+    fp32."""
     scale = gl.load(s_ptr + g * s_stride + rows)
+    if not (dtype == gl.float16 and s_ptr.dtype.element_ty == gl.float16):
+        scale = scale.to(gl.float32)
+    return scale
+
+
+@gluon.jit
+def _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
+                  dtype: gl.constexpr):
+    """One group's (scale, shift, addend) for `rows`: ``(v - shift) * scale + addend`` is the weight of
+    v = magic + code (`_pair_asm`)."""
+    magic_value: gl.constexpr = 1024.0 if dtype == gl.float16 else 128.0
+    scale = gl.load(s_ptr + g * s_stride + rows).to(dtype)
     if HAS_ZERO:
-        zero = gl.load(z_ptr + g * s_stride + rows)
+        shift = gl.load(z_ptr + g * s_stride + rows).to(dtype) + magic_value
     else:
-        zero = scale
+        shift = gl.zeros_like(scale) + (magic_value + (0.0 if HAS_MIN else 8.0))
     if HAS_MIN:
-        minimum = gl.load(m_ptr + g * s_stride + rows)
+        addend = gl.load(m_ptr + g * s_stride + rows).to(dtype)
     else:
-        minimum = scale
-    return scale, zero, minimum
+        addend = gl.zeros_like(scale)
+    return scale, shift, addend
 
 
 @gluon.jit
-def _group_params(stored, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr, dtype: gl.constexpr):
-    """NF4: the scales as `_nf4_chunks_asm` multiplies them (fp16 where x and the scales are, else fp32). int4:
-    (scale, shift, addend), where ``(v - shift) * scale + addend`` is the weight of v = magic + code
-    (`_pair_asm`)."""
-    scale, zero, minimum = stored
+def _chain_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
+                  NF4: gl.constexpr, dtype: gl.constexpr):
+    """Group g's parameters for the two 64-row chains from `rows` on: NF4's scales, or int4's (scale, shift,
+    addend)."""
     if NF4:
-        if not (dtype == gl.float16 and scale.dtype == gl.float16):
-            scale = scale.to(gl.float32)
-        return scale
+        params = (_nf4_scale(s_ptr, g, s_stride, rows, dtype), _nf4_scale(s_ptr, g, s_stride, rows + 64, dtype))
     else:
-        magic_value: gl.constexpr = 1024.0 if dtype == gl.float16 else 128.0
-        scale = scale.to(dtype)
-        if HAS_ZERO:
-            shift = zero.to(dtype) + magic_value
-        else:
-            shift = gl.zeros_like(scale) + (magic_value + (0.0 if HAS_MIN else 8.0))
-        if HAS_MIN:
-            addend = minimum.to(dtype)
-        else:
-            addend = gl.zeros_like(scale)
-        return scale, shift, addend
-
-
-@gluon.jit
-def _chain_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr):
-    """Group g's stored parameters for the two 64-row chains from `rows` on (`_group_stored`)."""
-    return (_group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN),
-            _group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN))
-
-
-@gluon.jit
-def _chain_params(stored, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr, dtype: gl.constexpr):
-    stored0, stored1 = stored
-    return (_group_params(stored0, HAS_ZERO, HAS_MIN, NF4, dtype),
-            _group_params(stored1, HAS_ZERO, HAS_MIN, NF4, dtype))
+        params = (_group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN, dtype),
+                  _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN, dtype))
+    return params
 
 
 @gluon.jit
@@ -269,7 +255,7 @@ def _nf4_chunks(words, j: gl.constexpr, scale, tables, x_like):
 @gluon.jit
 def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
                         HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                        INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr, PREFETCH: gl.constexpr, ROW0: gl.constexpr):
+                        INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr, ROW0: gl.constexpr):
     """Dequantization into the MMA's register operand beside the previous chunk's asynchronous MMA, then the
     output. The words are loaded in the operand's own layout (a thread holds the words of the K columns its
     fragment needs: word c of a row is column 16 j + c of K-chunk j), so each 16-column chunk j is the words' nibble
@@ -304,20 +290,11 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
         rows = off_n + ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
         acc0 = _opaque_zeros([64, BLOCK_M], acc_layout)
         acc1 = _opaque_zeros([64, BLOCK_M], acc_layout)
-        if PREFETCH:  # each group's parameters are loaded one group ahead of their use
-            last_group = 0 if PER_CHANNEL else ((tile0 + num_tiles) * 128 - 1) // GROUP
-            pending = _chain_stored(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile0 * 128 // GROUP, s_stride, rows,
-                                   HAS_ZERO, HAS_MIN)
         for t in range(num_tiles):
             tile = tile0 + t
-            if one_group and PREFETCH:
-                params0, params1 = _chain_params(pending, HAS_ZERO, HAS_MIN, NF4, dtype)
-                pending = _chain_stored(s_ptr, z_ptr, m_ptr, gl.minimum((tile + 1) * 128 // GROUP, last_group),
-                                       s_stride, rows, HAS_ZERO, HAS_MIN)
-            elif one_group:  # issued before the barrier waits, so its latency overlaps them
-                params0, params1 = _chain_params(
-                    _chain_stored(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP, s_stride, rows,
-                                 HAS_ZERO, HAS_MIN), HAS_ZERO, HAS_MIN, NF4, dtype)
+            if one_group:  # issued before the barrier waits, so its latency overlaps them
+                params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP,
+                                                 s_stride, rows, HAS_ZERO, HAS_MIN, NF4, dtype)
             s = step % stages
             phase = (step // stages) & 1
             mbarrier.wait(w_ready.index(s), phase)
@@ -326,15 +303,9 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
             mbarrier.wait(x_ready.index(s), phase)
             x_tile = x_bufs.index(s)
             for j in gl.static_range(8):
-                if not one_group and (16 * j) % GROUP == 0 and PREFETCH:
-                    params0, params1 = _chain_params(pending, HAS_ZERO, HAS_MIN, NF4, dtype)
-                    pending = _chain_stored(s_ptr, z_ptr, m_ptr,
-                                           gl.minimum((tile * 128 + 16 * j) // GROUP + 1, last_group), s_stride,
-                                           rows, HAS_ZERO, HAS_MIN)
-                elif not one_group and (16 * j) % GROUP == 0:
-                    params0, params1 = _chain_params(
-                        _chain_stored(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows, HAS_ZERO,
-                                     HAS_MIN), HAS_ZERO, HAS_MIN, NF4, dtype)
+                if not one_group and (16 * j) % GROUP == 0:
+                    params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride,
+                                                     rows, HAS_ZERO, HAS_MIN, NF4, dtype)
                 x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
                 if NF4:
                     if j % 2 == 0:  # (j + 1's operands are kept for the next chunk)
@@ -396,8 +367,7 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
 def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, out_desc, M, N, columns, num_tiles,
                   per_split, s_stride, out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr,
                   HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  PARTIAL: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr,
-                  PREFETCH: gl.constexpr):
+                  PARTIAL: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr):
     """Output blocks (token tile, row tile of 128 or 256 of `columns`, K split) from `program_id` on, a grid apart
     (persistent programs); a block runs K-tiles [split * per_split, ...) of `num_tiles`; with PARTIAL its fp32
     partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction), else its output is stored
@@ -434,17 +404,14 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr
         # the worker's wgmma pipeline only in PTX edited by `warp_specialize.unlooped_workers` (the launcher's)
         gl.warp_specialize([
             (_consumer_partition,
-             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
-              PREFETCH, 0)),
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE, 0)),
             (_consumer_partition,
-             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
-              PREFETCH, 128)),
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE, 128)),
             (_load_partition, loader),
         ], [4, 1], [232, 24])
     else:
         gl.warp_specialize([
             (_consumer_partition,
-             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
-              PREFETCH, 0)),
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE, 0)),
             (_load_partition, loader),
         ], [1], [24])
