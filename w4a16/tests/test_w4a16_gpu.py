@@ -271,7 +271,9 @@ WGMMA_TILES = {"128x128": {"block_m": 128, "num_stages": 4},
                "128x128-inflight2": {"block_m": 128, "num_stages": 3, "inflight": 2},
                "128x256-inflight2": {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2},
                "128x256-inflight3": {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 3},
-               "64x256-split3": {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3}}
+               "64x256-split3": {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3},
+               "128x256-scales-tma": {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
+                                      "scales_tma": True}}
 
 
 def _wgmma_case(k, fmt, zero_point, group_size, dtype, tiles, m):
@@ -288,12 +290,13 @@ def _wgmma_case(k, fmt, zero_point, group_size, dtype, tiles, m):
                     reason="wgmma is Hopper's (sm_90a)")
 @pytest.mark.parametrize("fmt,zero_point,group_size", WGMMA_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tiles", ["128x256-inflight2", "64x128-split3"])
+@pytest.mark.parametrize("tiles", ["128x256-inflight2", "64x128-split3", "128x256-scales-tma"])
 def test_wgmma_formats_vs_float64(k, fmt, zero_point, group_size, dtype, tiles):
     """Every format and activation dtype through the Gluon kernel (a TMA loader warp beside warpgroups dequantizing
     into their register operand) on poisoned outputs against float64, on the two code paths a format meets: two
     consumer warpgroups with two chunks of MMAs in flight and TMA stores, and one consumer with one chunk in flight
-    writing fp32 split parts (`_wgmma_case`)."""
+    writing fp32 split parts (`_wgmma_case`); and the first with "scales_tma" (one group a K-tile brought through
+    the ring by TMA: g >= 128 and per channel; the smaller groups keep their loads)."""
     _wgmma_case(k, fmt, zero_point, group_size, dtype, WGMMA_TILES[tiles], 300)
 
 

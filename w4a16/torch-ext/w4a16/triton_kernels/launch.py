@@ -240,7 +240,10 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     # the output by TMA stores where TMA can write it and its buffers (per 64-row chain 64 columns of x's dtype or
     # 32 of fp32) fit beside the ring: 1.02-1.07x over pointer stores after a layout conversion, the stores of one
     # block overlapping the next block's start (docs/design/w4a16.md E50)
-    ring = plan.get("num_stages", 4) * (block_n * WORDS_PER_TILE * 4 + block_m * 128 * x.element_size())
+    # plan "scales_tma" (E54): one scale group a K-tile (g >= 128, per channel) comes through the ring with the words
+    scales_tma = bool(plan.get("scales_tma", False)) and (group_size == -1 or group_size >= 128)
+    group_row = sum(p.element_size() for p in (scales, zeros, mins) if p is not None) * block_n if scales_tma else 0
+    ring = plan.get("num_stages", 4) * (block_n * WORDS_PER_TILE * 4 + block_m * 128 * x.element_size() + group_row)
     fits = ring + block_n * block_m * 2 + 1024 <= _shared_memory_per_block(x.device.index)
     # a split's fp32 partial sums by TMA stores too (E51: 1.02x at M = 256) where their rows are 16-byte aligned,
     # each part's rows padded to whole token tiles so that no tile's box reaches into the next part
@@ -266,16 +269,24 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
                                    gl.NVMMASharedLayout.get_default_for([block_m, 64], x_type))
     else:
         out_desc = x_desc
+    if scales_tma:
+        s_desc, z_desc, m_desc = (
+            x_desc if p is None else GluonDescriptor(p, [p.shape[0], (last - first) * block_n], [p.stride(0), 1],
+                                                     [1, block_n], gl.NVMMASharedLayout(0, p.element_size() * 8))
+            for p in (scales, zeros, mins))
+    else:
+        s_desc = z_desc = m_desc = x_desc
     # persistent programs: the ring runs on from one block into the next (E49)
     programs = min(triton.cdiv(m, block_m) * (last - first) * splits, device_info(x.device)[1])
     # a 256-row tile's second warpgroup is a worker partition, which pipelines only in the edited PTX
     with unlooped_workers(_wgmma_kernel.__name__) if block_n == 256 else contextlib.nullcontext():
         _wgmma_kernel[(programs,)](
-            x_desc, w_desc, scales, _or(zeros, scales), _or(mins, scales), _or(codebook, scales), _or(bias, scales),
+            x_desc, w_desc, s_desc, z_desc, m_desc, scales, _or(zeros, scales), _or(mins, scales), _or(codebook, scales), _or(bias, scales),
             target, out_desc, m, n, last - first, num_tiles, per_split, scales.stride(0), target.stride(-2),
             GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
             HAS_MIN=mins is not None, NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
-            STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), TMA_STORE=tma_store, num_warps=4,
+            STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), TMA_STORE=tma_store,
+            SCALES_TMA=scales_tma, num_warps=4,
         )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False)

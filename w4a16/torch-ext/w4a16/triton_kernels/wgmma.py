@@ -5,7 +5,8 @@ a program (`dot._dot_kernel`, docs/design/w4a16.md E2-E8); Triton 3.6's automati
 dequantization loops. Here a CTA is partitions sharing mbarrier rings:
 
 - a loader warp brings each 128-column K-tile by TMA: the tile's packed words ``[BLOCK_N, 16]`` and x's
-  ``[BLOCK_M, 128]`` (zero-filled past M and K);
+  ``[BLOCK_M, 128]`` (zero-filled past M and K), and with SCALES_TMA (plan "scales_tma", E54) the tile's group row
+  of scales, zero points and minima (one group a K-tile), which the consumers otherwise load themselves;
 - one warpgroup per 128 rows of the tile (``block_n`` 128 or 256: one or two consumers) dequantizes each
   16-column K-chunk straight into the wgmma register operand (RS wgmma, weight rows as the MMA's M, tokens as its
   N) while the previous chunk's MMA runs, then writes ``out[M, N]`` (by TMA stores left in flight where it can,
@@ -57,9 +58,22 @@ def _block_count(schedule):
     return gl.cdiv(M, BLOCK_M) * columns * gl.cdiv(num_tiles, per_split)
 
 
+@gluon.constexpr_function
+def _stage_bytes(words, scales, zeros, minima, has_zero, has_min, scales_tma):
+    """Bytes the words' barrier of a ring stage waits for."""
+    if not scales_tma:
+        return words
+    return words + scales + (zeros if has_zero else 0) + (minima if has_min else 0)
+
+
 @gluon.jit
-def _load_partition(w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, schedule):
+def _load_partition(w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, schedule, params):
+    """The ring's producer: each K-tile's words (with SCALES_TMA its group's scales, zero points and minima
+    beside them, on the words' barrier) and x's columns, by TMA."""
+    s_desc, z_desc, m_desc, s_bufs, z_bufs, m_bufs, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, SCALES_TMA = params
     stages: gl.constexpr = w_bufs.type.shape[0]
+    w_bytes: gl.constexpr = _stage_bytes(w_desc.block_type.nbytes, s_desc.block_type.nbytes, z_desc.block_type.nbytes,
+                                         m_desc.block_type.nbytes, HAS_ZERO, HAS_MIN, SCALES_TMA)
     step = 0  # K-tiles loaded by this program so far, over all its blocks: the ring's position
     for block in range(gl.program_id(0), _block_count(schedule), gl.num_programs(0)):
         off_m, off_n, split, tile0, num_tiles = _block_at(block, schedule)
@@ -68,8 +82,15 @@ def _load_partition(w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x
             phase = (step // stages) & 1
             # Barriers start in phase 0 incomplete: waiting on the opposite parity passes the first round.
             mbarrier.wait(w_empty.index(s), phase ^ 1)
-            mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes)
+            mbarrier.expect(w_ready.index(s), w_bytes)
             tma.async_copy_global_to_shared(w_desc, [off_n, (tile0 + t) * 16], w_ready.index(s), w_bufs.index(s))
+            if SCALES_TMA:
+                g = 0 if PER_CHANNEL else (tile0 + t) * 128 // GROUP
+                tma.async_copy_global_to_shared(s_desc, [g, off_n], w_ready.index(s), s_bufs.index(s))
+                if HAS_ZERO:
+                    tma.async_copy_global_to_shared(z_desc, [g, off_n], w_ready.index(s), z_bufs.index(s))
+                if HAS_MIN:
+                    tma.async_copy_global_to_shared(m_desc, [g, off_n], w_ready.index(s), m_bufs.index(s))
             mbarrier.wait(x_empty.index(s), phase ^ 1)
             mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [off_m, (tile0 + t) * 128], x_ready.index(s), x_bufs.index(s))
@@ -126,44 +147,87 @@ def _nf4_chunks_constraints(half_scale):
 
 
 @gluon.jit
-def _nf4_scale(s_ptr, g, s_stride, rows, dtype: gl.constexpr):
-    """One group's scales for `rows` as `_nf4_chunks_asm` multiplies them: fp16 where x and the scales are, else
-    fp32."""
+def _group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr):
+    """One group's stored scales, zero points and minima for `rows` as loaded from global memory (the scales stand
+    in for what the format lacks), for `_group_params` to convert."""
     scale = gl.load(s_ptr + g * s_stride + rows)
-    if not (dtype == gl.float16 and s_ptr.dtype.element_ty == gl.float16):
-        scale = scale.to(gl.float32)
-    return scale
-
-
-@gluon.jit
-def _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
-                  dtype: gl.constexpr):
-    """One group's (scale, shift, addend) for `rows`: ``(v - shift) * scale + addend`` is the weight of
-    v = magic + code (`_pair_asm`)."""
-    magic_value: gl.constexpr = 1024.0 if dtype == gl.float16 else 128.0
-    scale = gl.load(s_ptr + g * s_stride + rows).to(dtype)
     if HAS_ZERO:
-        shift = gl.load(z_ptr + g * s_stride + rows).to(dtype) + magic_value
+        zero = gl.load(z_ptr + g * s_stride + rows)
     else:
-        shift = gl.zeros_like(scale) + (magic_value + (0.0 if HAS_MIN else 8.0))
+        zero = scale
     if HAS_MIN:
-        addend = gl.load(m_ptr + g * s_stride + rows).to(dtype)
+        minimum = gl.load(m_ptr + g * s_stride + rows)
     else:
-        addend = gl.zeros_like(scale)
-    return scale, shift, addend
+        minimum = scale
+    return scale, zero, minimum
 
 
 @gluon.jit
-def _chain_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
-                  NF4: gl.constexpr, dtype: gl.constexpr):
-    """Group g's parameters for the two 64-row chains from `rows` on: NF4's scales, or int4's (scale, shift,
-    addend)."""
+def _group_params(stored, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr, dtype: gl.constexpr):
+    """NF4: the scales as `_nf4_chunks_asm` multiplies them (fp16 where x and the scales are, else fp32). int4:
+    (scale, shift, addend), where ``(v - shift) * scale + addend`` is the weight of v = magic + code
+    (`_pair_asm`)."""
+    scale, zero, minimum = stored
     if NF4:
-        params = (_nf4_scale(s_ptr, g, s_stride, rows, dtype), _nf4_scale(s_ptr, g, s_stride, rows + 64, dtype))
+        if not (dtype == gl.float16 and scale.dtype == gl.float16):
+            scale = scale.to(gl.float32)
+        return scale
     else:
-        params = (_group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN, dtype),
-                  _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN, dtype))
-    return params
+        magic_value: gl.constexpr = 1024.0 if dtype == gl.float16 else 128.0
+        scale = scale.to(dtype)
+        if HAS_ZERO:
+            shift = zero.to(dtype) + magic_value
+        else:
+            shift = gl.zeros_like(scale) + (magic_value + (0.0 if HAS_MIN else 8.0))
+        if HAS_MIN:
+            addend = minimum.to(dtype)
+        else:
+            addend = gl.zeros_like(scale)
+        return scale, shift, addend
+
+
+@gluon.jit
+def _chain_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr):
+    """Group g's stored parameters for the two 64-row chains from `rows` on (`_group_stored`)."""
+    return (_group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN),
+            _group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN))
+
+
+@gluon.jit
+def _chain_params(stored, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr, dtype: gl.constexpr):
+    stored0, stored1 = stored
+    return (_group_params(stored0, HAS_ZERO, HAS_MIN, NF4, dtype),
+            _group_params(stored1, HAS_ZERO, HAS_MIN, NF4, dtype))
+
+
+@gluon.jit
+def _chain_stored_smem(s_buf, z_buf, m_buf, ROW0: gl.constexpr, layout: gl.constexpr, HAS_ZERO: gl.constexpr,
+                       HAS_MIN: gl.constexpr):
+    """The K-tile's group parameters for the two 64-row chains from ROW0 on, from the ring stage's ``[1, BLOCK_N]``
+    buffers the loader filled by TMA (SCALES_TMA): unswizzled, so a flat view of the row is the same bytes."""
+    return (_row_stored_smem(s_buf, z_buf, m_buf, ROW0, layout, HAS_ZERO, HAS_MIN),
+            _row_stored_smem(s_buf, z_buf, m_buf, ROW0 + 64, layout, HAS_ZERO, HAS_MIN))
+
+
+@gluon.jit
+def _row_stored_smem(s_buf, z_buf, m_buf, row: gl.constexpr, layout: gl.constexpr, HAS_ZERO: gl.constexpr,
+                     HAS_MIN: gl.constexpr):
+    scale = _flat(s_buf).slice(row, 64).load(layout)
+    if HAS_ZERO:
+        zero = _flat(z_buf).slice(row, 64).load(layout)
+    else:
+        zero = scale
+    if HAS_MIN:
+        minimum = _flat(m_buf).slice(row, 64).load(layout)
+    else:
+        minimum = scale
+    return scale, zero, minimum
+
+
+@gluon.jit
+def _flat(buf):
+    """A ``[1, BLOCK_N]`` unswizzled buffer as the 1-D row it holds."""
+    return buf._reinterpret(buf.dtype, [buf.type.shape[1]], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 @gluon.jit
@@ -255,7 +319,7 @@ def _nf4_chunks(words, j: gl.constexpr, scale, tables, x_like):
 @gluon.jit
 def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
                         HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                        INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr, ROW0: gl.constexpr):
+                        INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, ROW0: gl.constexpr):
     """Dequantization into the MMA's register operand beside the previous chunk's asynchronous MMA, then the
     output. The words are loaded in the operand's own layout (a thread holds the words of the K columns its
     fragment needs: word c of a row is column 16 j + c of K-chunk j), so each 16-column chunk j is the words' nibble
@@ -267,7 +331,7 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
     dequantization starts; each keeps its operand registers live until the wait that retires it. NF4 makes the
     operands of chunks j and j + 1 at even j (`_nf4_chunks`)."""
     (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, out_desc,
-     c_bufs, schedule, N, s_stride, out_stride) = operands
+     c_bufs, s_bufs, z_bufs, m_bufs, schedule, N, s_stride, out_stride) = operands
     stages: gl.constexpr = w_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
     M = schedule[0]
@@ -292,20 +356,26 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
         acc1 = _opaque_zeros([64, BLOCK_M], acc_layout)
         for t in range(num_tiles):
             tile = tile0 + t
-            if one_group:  # issued before the barrier waits, so its latency overlaps them
-                params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP,
-                                                 s_stride, rows, HAS_ZERO, HAS_MIN, NF4, dtype)
+            if one_group and not SCALES_TMA:  # issued before the barrier waits, so its latency overlaps them
+                params0, params1 = _chain_params(
+                    _chain_stored(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP, s_stride, rows,
+                                  HAS_ZERO, HAS_MIN), HAS_ZERO, HAS_MIN, NF4, dtype)
             s = step % stages
             phase = (step // stages) & 1
             mbarrier.wait(w_ready.index(s), phase)
+            if SCALES_TMA:  # brought with the words (one group a K-tile)
+                params0, params1 = _chain_params(
+                    _chain_stored_smem(s_bufs.index(s), z_bufs.index(s), m_bufs.index(s), ROW0,
+                                       gl.SliceLayout(1, a_layout), HAS_ZERO, HAS_MIN), HAS_ZERO, HAS_MIN, NF4, dtype)
             words0 = w_bufs.index(s).slice(ROW0, 64, dim=0).load(a_layout)
             words1 = w_bufs.index(s).slice(ROW0 + 64, 64, dim=0).load(a_layout)
             mbarrier.wait(x_ready.index(s), phase)
             x_tile = x_bufs.index(s)
             for j in gl.static_range(8):
                 if not one_group and (16 * j) % GROUP == 0:
-                    params0, params1 = _chain_params(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride,
-                                                     rows, HAS_ZERO, HAS_MIN, NF4, dtype)
+                    params0, params1 = _chain_params(
+                        _chain_stored(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows, HAS_ZERO,
+                                      HAS_MIN), HAS_ZERO, HAS_MIN, NF4, dtype)
                 x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
                 if NF4:
                     if j % 2 == 0:  # (j + 1's operands are kept for the next chunk)
@@ -364,10 +434,12 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
 
 
 @gluon.jit
-def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, out_desc, M, N, columns, num_tiles,
+def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, out_desc,
+                  M, N, columns, num_tiles,
                   per_split, s_stride, out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr,
                   HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  PARTIAL: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr):
+                  PARTIAL: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr,
+                  SCALES_TMA: gl.constexpr):
     """Output blocks (token tile, row tile of 128 or 256 of `columns`, K split) from `program_id` on, a grid apart
     (persistent programs); a block runs K-tiles [split * per_split, ...) of `num_tiles`; with PARTIAL its fp32
     partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction), else its output is stored
@@ -397,21 +469,37 @@ def _wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr
         c_bufs = gl.allocate_shared_memory(dtype, [BLOCK_N // 64] + out_desc.block_type.shape, out_desc.layout)
     else:
         c_bufs = w_bufs
+    if SCALES_TMA:  # per stage the K-tile's group row of scales, zero points, minima ([1, BLOCK_N] boxes)
+        s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
+        z_bufs = s_bufs
+        m_bufs = s_bufs
+        if HAS_ZERO:
+            z_bufs = gl.allocate_shared_memory(z_desc.dtype, [STAGES] + z_desc.block_type.shape, z_desc.layout)
+        if HAS_MIN:
+            m_bufs = gl.allocate_shared_memory(m_desc.dtype, [STAGES] + m_desc.block_type.shape, m_desc.layout)
+    else:
+        s_bufs = w_bufs
+        z_bufs = w_bufs
+        m_bufs = w_bufs
     operands = (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
-                out_desc, c_bufs, schedule, N, s_stride, out_stride)
-    loader = (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, schedule)
+                out_desc, c_bufs, s_bufs, z_bufs, m_bufs, schedule, N, s_stride, out_stride)
+    loader = (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, schedule,
+              (s_desc, z_desc, m_desc, s_bufs, z_bufs, m_bufs, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, SCALES_TMA))
     if consumers == 2:
         # the worker's wgmma pipeline only in PTX edited by `warp_specialize.unlooped_workers` (the launcher's)
         gl.warp_specialize([
             (_consumer_partition,
-             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE, 0)),
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
+              SCALES_TMA, 0)),
             (_consumer_partition,
-             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE, 128)),
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
+              SCALES_TMA, 128)),
             (_load_partition, loader),
         ], [4, 1], [232, 24])
     else:
         gl.warp_specialize([
             (_consumer_partition,
-             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE, 0)),
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
+              SCALES_TMA, 0)),
             (_load_partition, loader),
         ], [1], [24])
