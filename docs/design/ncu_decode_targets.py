@@ -4,7 +4,7 @@ those at ~87 % and cuBLAS, so the counters can say why (stall reasons, DRAM thro
 Each case is called once to compile and warm up, then once inside the NVTX range "profile", which ncu selects:
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" --set full -o $OUT/decode \
-        python docs/design/ncu_decode_targets.py [w4a16] [moe] [mma] [dot] [wgmma]
+        python docs/design/ncu_decode_targets.py [w4a16] [moe] [mma] [dot] [wgmma] [wgmma1024] [wgmma4096]
     ncu --import $OUT/decode.ncu-rep --page details --csv > $OUT/decode-details.csv
 
 Cases: w4a16 at M = 1, fp16, int4 g128, the eight Llama-3 shapes on the shipped launch (the card's table);
@@ -18,7 +18,7 @@ M = 16 on two, cuBLAS fp16 at M = 16 on the same two. `dot`: the tensor-core dot
 on 8B gate_up and 70B o (issue #12's M = 16 and M = 256 goals are the furthest from their targets). `wgmma`: the
 Gluon prefill kernel (128-token tiles, 3 stages, two chunks in flight: E37) at M = 256 on the same two shapes.
 `wgmma1024`: the shipped launch at M = 1024 (the table's 256-row wgmma tile on the Llama-3 shapes) on the same two
-shapes, cuBLAS fp16 beside.
+shapes, cuBLAS fp16 beside; `wgmma4096`: the same at M = 4096 on 8B gate_up and 8B down.
 """
 import sys
 
@@ -29,6 +29,11 @@ from hubtools.bench import w4a16 as wb
 from hubtools.build import loaded_kernel
 from hubtools.workspace import Workspace
 
+# the shipped launch (the table's 256-row wgmma tile) and cuBLAS fp16 at one M on two shapes: M = 1024; M = 4096 on
+# a short-K shape (8B gate_up: 32 K-tiles a block, 81 % of the MMA peak per clock in run 139) and a long-K one
+# (8B down: 112 K-tiles, 88 %)
+SHIPPED_WGMMA = {"wgmma1024": (1024, ("L3-8B gate_up", "L3-70B o")),
+                 "wgmma4096": (4096, ("L3-8B gate_up", "L3-8B down"))}
 which = set(sys.argv[1:]) or {"w4a16", "moe"}
 cases = []  # (name, fn)
 w4a16_project, moe_project = Workspace.load().kernels(["w4a16", "moe-dispatch"])
@@ -50,7 +55,7 @@ with loaded_kernel(w4a16_project) as w4a16, loaded_kernel(moe_project) as moe:
                 cases.append((f"cublas {label} M=1", lambda x=x, w=weight: x @ w.t()))
             else:
                 del weight
-    if which & {"mma", "dot", "wgmma", "wgmma1024"}:
+    if which & {"mma", "dot", "wgmma", *SHIPPED_WGMMA}:
         for label, k, n in wb.SHAPES:
             weight = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
             qw = w4a16.quantize(weight, group_size=wb.GROUP)
@@ -70,11 +75,12 @@ with loaded_kernel(w4a16_project) as w4a16, loaded_kernel(moe_project) as moe:
                                       {"wgmma": {"block_m": 128, "num_stages": 3, "inflight": 2}})
                 cases.append((f"w4a16 wgmma {label} M=256", lambda x=x, qw=qw, c=config:
                               wb._matmul_with(w4a16, x, qw, c)))
-            if "wgmma1024" in which and label in ("L3-8B gate_up", "L3-70B o"):
-                x = torch.randn(1024, k, device="cuda", dtype=torch.float16)
-                print(label, "M=1024:", w4a16.tuning.select(1024, n, k, x.device), flush=True)
-                cases.append((f"w4a16 {label} M=1024", lambda x=x, qw=qw: w4a16.matmul(x, qw)))
-                cases.append((f"cublas {label} M=1024", lambda x=x, w=weight: x @ w.t()))
+            for target, (m, labels) in SHIPPED_WGMMA.items():
+                if target in which and label in labels:
+                    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                    print(label, f"M={m}:", w4a16.tuning.select(m, n, k, x.device), flush=True)
+                    cases.append((f"w4a16 {label} M={m}", lambda x=x, qw=qw: w4a16.matmul(x, qw)))
+                    cases.append((f"cublas {label} M={m}", lambda x=x, w=weight: x @ w.t()))
             if "mma" in which and label in ("L3-8B qkv", "L3-70B o"):
                 nf4 = w4a16.quantize(weight, group_size=wb.NF4_GROUP, fmt="nf4")
                 x = torch.randn(16, k, device="cuda", dtype=torch.float16)
