@@ -435,17 +435,18 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
 
 @gluon.jit
 def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, out_desc,
-                  M, N, columns, num_tiles,
-                  per_split, s_stride, out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr,
-                  HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  M, N, columns, num_tiles, per_split, s_stride, out_stride, GROUP: gl.constexpr,
+                  PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr,
                   PARTIAL: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr,
                   SCALES_TMA: gl.constexpr):
     """Output blocks (token tile, row tile of 128 or 256 of `columns`, K split) from `program_id` on, a grid apart
     (persistent programs); a block runs K-tiles [split * per_split, ...) of `num_tiles`; with PARTIAL its fp32
     partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction), else its output is stored
-    through `out_ptr`, or with TMA_STORE through `out_desc` (`_store_tma`). A consumer warpgroup per 128 rows (the
-    first the default partition, a second a worker) and the loader warp, whose ring runs on across a program's
-    blocks; INFLIGHT chunks of MMAs run beside the next chunk's dequantization."""
+    through `out_ptr`, or with TMA_STORE through `out_desc` (`_store_tma`; with PARTIAL `_store_tma_partial` into
+    parts padded to whole token tiles). A consumer warpgroup per 128 rows (the first the default partition, a second
+    a worker) and the loader warp, whose ring runs on across a program's blocks; INFLIGHT chunks of MMAs run beside
+    the next chunk's dequantization. SCALES_TMA: the K-tile's group parameters come with its words through
+    `s_desc` / `z_desc` / `m_desc` (one group a K-tile), not through `s_ptr` / `z_ptr` / `m_ptr`."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
