@@ -237,12 +237,12 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, split)
     splits = triton.cdiv(num_tiles, per_split)
-    # the output by TMA stores where TMA can write it and its buffers (per 64-row chain 64 columns of x's dtype or
-    # 32 of fp32) fit beside the ring: 1.02-1.07x over pointer stores after a layout conversion, the stores of one
-    # block overlapping the next block's start (docs/design/w4a16.md E50)
     # plan "scales_tma" (E54): one scale group a K-tile (g >= 128, per channel) comes through the ring with the words
     scales_tma = bool(plan.get("scales_tma", False)) and (group_size == -1 or group_size >= 128)
     group_row = sum(p.element_size() for p in (scales, zeros, mins) if p is not None) * block_n if scales_tma else 0
+    # the output by TMA stores where TMA can write it and its buffers (per 64-row chain 64 columns of x's dtype or
+    # 32 of fp32) fit beside the ring: 1.02-1.07x over pointer stores after a layout conversion, the stores of one
+    # block overlapping the next block's start (docs/design/w4a16.md E50)
     ring = plan.get("num_stages", 4) * (block_n * WORDS_PER_TILE * 4 + block_m * 128 * x.element_size() + group_row)
     fits = ring + block_n * block_m * 2 + 1024 <= _shared_memory_per_block(x.device.index)
     # a split's fp32 partial sums by TMA stores too (E51: 1.02x at M = 256) where their rows are 16-byte aligned,
@@ -281,8 +281,8 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     # a 256-row tile's second warpgroup is a worker partition, which pipelines only in the edited PTX
     with unlooped_workers(_wgmma_kernel.__name__) if block_n == 256 else contextlib.nullcontext():
         _wgmma_kernel[(programs,)](
-            x_desc, w_desc, s_desc, z_desc, m_desc, scales, _or(zeros, scales), _or(mins, scales), _or(codebook, scales), _or(bias, scales),
-            target, out_desc, m, n, last - first, num_tiles, per_split, scales.stride(0), target.stride(-2),
+            x_desc, w_desc, s_desc, z_desc, m_desc, scales, _or(zeros, scales), _or(mins, scales),
+            _or(codebook, scales), _or(bias, scales), target, out_desc, m, n, last - first, num_tiles, per_split, scales.stride(0), target.stride(-2),
             GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
             HAS_MIN=mins is not None, NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
             STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), TMA_STORE=tma_store,
