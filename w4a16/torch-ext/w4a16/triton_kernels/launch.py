@@ -282,7 +282,8 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     with unlooped_workers(_wgmma_kernel.__name__) if block_n == 256 else contextlib.nullcontext():
         _wgmma_kernel[(programs,)](
             x_desc, w_desc, s_desc, z_desc, m_desc, scales, _or(zeros, scales), _or(mins, scales),
-            _or(codebook, scales), _or(bias, scales), target, out_desc, m, n, last - first, num_tiles, per_split, scales.stride(0), target.stride(-2),
+            _or(codebook, scales), _or(bias, scales), target, out_desc, m, n, last - first, num_tiles, per_split,
+            scales.stride(0), target.stride(-2),
             GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
             HAS_MIN=mins is not None, NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
             STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), TMA_STORE=tma_store,

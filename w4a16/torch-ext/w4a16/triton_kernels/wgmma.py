@@ -436,9 +436,9 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
 @gluon.jit
 def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, out_desc,
                   M, N, columns, num_tiles, per_split, s_stride, out_stride, GROUP: gl.constexpr,
-                  PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  PARTIAL: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr,
-                  SCALES_TMA: gl.constexpr):
+                  PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr,
+                  TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr):
     """Output blocks (token tile, row tile of 128 or 256 of `columns`, K split) from `program_id` on, a grid apart
     (persistent programs); a block runs K-tiles [split * per_split, ...) of `num_tiles`; with PARTIAL its fp32
     partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction), else its output is stored
