@@ -119,11 +119,16 @@ def _inputs(m: int, k: int, dtype: torch.dtype, copies: int) -> list[torch.Tenso
     return [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(copies)]
 
 
-def _time_verified(fn: Callable[[int], torch.Tensor], copies: int, xs, ref_fn, dtype, plan: dict) -> tuple[float, float]:
-    out = fn(0)
-    err = _rel_err(out, ref_fn(xs[0]))
+def _verified(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> float:
+    """`out`'s relative error against the float64-exact `ref`; an AssertionError past `dtype`'s tolerance."""
+    err = _rel_err(out, ref)
     if not math.isfinite(err) or err > _tolerance(dtype):
-        raise AssertionError(f"verification failed: relative error {err:.3g}")
+        raise AssertionError(f"{what}verification failed: relative error {err:.3g}")
+    return err
+
+
+def _time_verified(fn: Callable[[int], torch.Tensor], copies: int, xs, ref_fn, dtype, plan: dict) -> tuple[float, float]:
+    err = _verified(fn(0), ref_fn(xs[0]), dtype)
     return time_graph(fn, copies, **plan), err
 
 
@@ -932,9 +937,7 @@ def sustained(kernel, shapes=SHAPES[:4], tokens=(4096,), seconds: float = 2.5, s
 
                 ref = shape.reference(xs[0])
                 for impl, fn in (("shipped", ours), ("cublas-float16", dense)):
-                    err = _rel_err(fn(0), ref)
-                    if not math.isfinite(err) or err > _tolerance(torch.float16):
-                        raise AssertionError(f"{label} M={m} {impl}: verification failed, relative error {err:.3g}")
+                    err = _verified(fn(0), ref, torch.float16, f"{label} M={m} {impl}: ")
                     torch.cuda.synchronize()
                     time.sleep(1.0)
                     start = time.time()
