@@ -273,7 +273,11 @@ WGMMA_TILES = {"128x128": {"block_m": 128, "num_stages": 4},
                "128x256-inflight3": {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 3},
                "64x256-split3": {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3},
                "128x256-scales-tma": {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
-                                      "scales_tma": True}}
+                                      "scales_tma": True},
+               "256x128-chains1": {"block_m": 256, "block_n": 128, "num_stages": 2, "inflight": 2, "chains": 1},
+               "256x128-chains1-split2": {"block_m": 256, "block_n": 128, "num_stages": 2, "inflight": 2,
+                                          "chains": 1, "split_k": 2},
+               "256x64-chains1": {"block_m": 256, "block_n": 64, "num_stages": 3, "chains": 1}}
 
 
 def _wgmma_case(k, fmt, zero_point, group_size, dtype, tiles, m):
@@ -290,13 +294,14 @@ def _wgmma_case(k, fmt, zero_point, group_size, dtype, tiles, m):
                     reason="wgmma is Hopper's (sm_90a)")
 @pytest.mark.parametrize("fmt,zero_point,group_size", WGMMA_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tiles", ["128x256-inflight2", "64x128-split3", "128x256-scales-tma"])
+@pytest.mark.parametrize("tiles", ["128x256-inflight2", "64x128-split3", "128x256-scales-tma", "256x128-chains1"])
 def test_wgmma_formats_vs_float64(k, fmt, zero_point, group_size, dtype, tiles):
     """Every format and activation dtype through the Gluon kernel (a TMA loader warp beside warpgroups dequantizing
     into their register operand) on poisoned outputs against float64, on the two code paths a format meets: two
     consumer warpgroups with two chunks of MMAs in flight and TMA stores, and one consumer with one chunk in flight
-    writing fp32 split parts (`_wgmma_case`); and the first with "scales_tma" (one group a K-tile brought through
-    the ring by TMA: g >= 128 and per channel; the smaller groups keep their loads)."""
+    writing fp32 split parts (`_wgmma_case`); the first with "scales_tma" (one group a K-tile brought through
+    the ring by TMA: g >= 128 and per channel; the smaller groups keep their loads); and two warpgroups of one
+    64-row chain each on 256 tokens ("chains": 1, MMAs of N = 256)."""
     _wgmma_case(k, fmt, zero_point, group_size, dtype, WGMMA_TILES[tiles], 300)
 
 
@@ -547,12 +552,15 @@ def test_mma_gemv_leaves_formats_it_does_not_take_to_the_config_beneath(k):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma is Hopper's (sm_90a)")
 def test_wgmma_refuses_tiles_it_does_not_have(k):
-    """The row tile is 128 or 256 rows (a dequantizing warpgroup per 128) and must divide the padded rows; other
-    tiles are a ValueError naming block_n; so is an `inflight` other than 1, 2 or 3, and a `split_k` that is neither a
-    positive count nor "auto"."""
+    """The row tile is one or two warpgroups of `chains` 64-row chains (1 or 2) and must divide the padded rows;
+    other tiles are a ValueError naming block_n, and more tokens than a warpgroup's accumulators hold (128 with two
+    chains, 256 with one) one naming block_m; so is an `inflight` other than 1, 2 or 3, a `chains` other than 1 or
+    2, and a `split_k` that is neither a positive count nor "auto"."""
     qw = k.quantize(_weight(384, 1024, torch.float16), group_size=128)
     x = torch.randn(128, 1024, device="cuda", dtype=torch.float16)
     for tiles, name in (({"block_m": 128, "block_n": 256}, "block_n"), ({"block_m": 64, "block_n": 64}, "block_n"),
+                        ({"block_m": 64, "block_n": 32, "chains": 1}, "block_n"), ({"block_m": 256}, "block_m"),
+                        ({"block_m": 64, "chains": 3}, "chains"),
                         ({"block_m": 64, "inflight": 4}, "inflight"), ({"block_m": 64, "split_k": 0}, "split_k"),
                         ({"block_m": 64, "split_k": "fastest"}, "split_k")):
         config = {**k.tuning.heuristic(128, 384, 1024, 132), "wgmma": tiles}

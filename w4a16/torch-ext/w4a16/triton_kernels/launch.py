@@ -196,10 +196,15 @@ def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gr
     `_wgmma_columns` finds they apply (else pointer stores). ``"split_k"``: a count, or ``"auto"``
     (`tuning.wgmma_tail_split`: maybe the first row-tile columns unsplit and the rest split in a second launch)."""
     m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
-    inflight = plan.get("inflight", 1)
-    if block_n not in (128, 256) or qweight.shape[0] % block_n:
-        raise ValueError("config: wgmma block_n (rows per tile: a dequantizing warpgroup per 128) must be 128 or 256 "
-                         f"and divide the padded rows ({qweight.shape[0]}); got {plan}")
+    inflight, chains = plan.get("inflight", 1), plan.get("chains", 2)
+    if chains not in (1, 2):
+        raise ValueError(f"config: wgmma chains (64-row chains a warpgroup) must be 1 or 2; got {plan}")
+    if block_n not in (64 * chains, 128 * chains) or qweight.shape[0] % block_n:
+        raise ValueError("config: wgmma block_n (rows per tile: a dequantizing warpgroup per 64 x chains) must be "
+                         f"{64 * chains} or {128 * chains} and divide the padded rows ({qweight.shape[0]}); got {plan}")
+    if block_m > 128 * (3 - chains):
+        raise ValueError("config: wgmma block_m (tokens per tile, the MMA's N) is at most 128 with two chains a "
+                         f"warpgroup and 256 with one (the accumulators' registers); got {plan}")
     if inflight not in (1, 2, 3):
         raise ValueError(f"config: wgmma inflight (chunks of MMAs in flight) must be 1, 2 or 3; got {plan}")
     split = plan.get("split_k", 1)
@@ -227,7 +232,7 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     from .warp_specialize import unlooped_workers
     from .wgmma import _wgmma_kernel
 
-    m, block_m, block_n = x.shape[0], plan["block_m"], plan.get("block_n", 128)
+    m, block_m, block_n, chains = x.shape[0], plan["block_m"], plan.get("block_n", 128), plan.get("chains", 2)
     row0 = first * block_n
     if row0:  # the columns' own weights, parameters and outputs: views from row0 on, nothing copied
         qweight, out = qweight[row0:], out[:, row0:]
@@ -244,10 +249,13 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     # 32 of fp32) fit beside the ring: 1.02-1.07x over pointer stores after a layout conversion, the stores of one
     # block overlapping the next block's start (docs/design/w4a16.md E50)
     ring = plan.get("num_stages", 4) * (block_n * WORDS_PER_TILE * 4 + block_m * 128 * x.element_size() + group_row)
-    fits = ring + block_n * block_m * 2 + 1024 <= _shared_memory_per_block(x.device.index)
-    # a split's fp32 partial sums by TMA stores too (E51: 1.02x at M = 256) where their rows are 16-byte aligned,
-    # each part's rows padded to whole token tiles so that no tile's box reaches into the next part
-    partial_tma = fits and splits > 1 and n % 4 == 0
+    shared = _shared_memory_per_block(x.device.index) - 1024
+    consumers = block_n // (64 * chains)
+    fits = ring + block_n * block_m * 2 <= shared
+    # a split's fp32 partial sums by TMA stores too (E51: 1.02x at M = 256) where their rows are 16-byte aligned
+    # and a chain's fp32 tile a consumer fits, each part's rows padded to whole token tiles so that no tile's box
+    # reaches into the next part
+    partial_tma = ring + consumers * block_m * 64 * 4 <= shared and splits > 1 and n % 4 == 0
     if partial_tma:
         padded = torch.empty(splits, triton.cdiv(m, block_m) * block_m, n, dtype=torch.float32, device=x.device)
         target = padded[:, :m]
@@ -259,7 +267,7 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     w_desc = GluonDescriptor(qweight, [(last - first) * block_n, qweight.shape[1]], [qweight.stride(0), 1],
                              [block_n, WORDS_PER_TILE], gl.NVMMASharedLayout.get_default_for([block_n, WORDS_PER_TILE],
                                                                                               gl.int32))
-    tma_store = fits and (partial_tma or splits == 1 and (target.stride(0) * target.element_size()) % 16 == 0
+    tma_store = partial_tma or fits and (splits == 1 and (target.stride(0) * target.element_size()) % 16 == 0
                           and target.data_ptr() % 16 == 0)
     if tma_store and partial_tma:
         out_desc = GluonDescriptor(padded.view(-1, n), [padded.shape[0] * padded.shape[1], n], [n, 1], [block_m, 32],
@@ -278,8 +286,8 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
         s_desc = z_desc = m_desc = x_desc
     # persistent programs: the ring runs on from one block into the next (E49)
     programs = min(triton.cdiv(m, block_m) * (last - first) * splits, device_info(x.device)[1])
-    # a 256-row tile's second warpgroup is a worker partition, which pipelines only in the edited PTX
-    with unlooped_workers(_wgmma_kernel.__name__) if block_n == 256 else contextlib.nullcontext():
+    # a second consumer warpgroup is a worker partition, which pipelines only in the edited PTX
+    with unlooped_workers(_wgmma_kernel.__name__) if consumers == 2 else contextlib.nullcontext():
         _wgmma_kernel[(programs,)](
             x_desc, w_desc, s_desc, z_desc, m_desc, scales, _or(zeros, scales), _or(mins, scales),
             _or(codebook, scales), _or(bias, scales), target, out_desc, m, n, last - first, num_tiles, per_split,
@@ -287,7 +295,7 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
             GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
             HAS_MIN=mins is not None, NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
             STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), TMA_STORE=tma_store,
-            SCALES_TMA=scales_tma, num_warps=4,
+            SCALES_TMA=scales_tma, CHAINS=chains, num_warps=4,
         )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False)

@@ -187,10 +187,14 @@ def _group_params(stored, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl
 
 
 @gluon.jit
-def _chain_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr):
-    """Group g's stored parameters for the two 64-row chains from `rows` on (`_group_stored`)."""
-    return (_group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN),
-            _group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN))
+def _chain_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
+                  CHAINS: gl.constexpr):
+    """Group g's stored parameters for the CHAINS 64-row chains from `rows` on (`_group_stored`; with one chain
+    the pair is the first chain's twice)."""
+    first = _group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN)
+    if CHAINS == 2:
+        return first, _group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows + 64, HAS_ZERO, HAS_MIN)
+    return first, first
 
 
 @gluon.jit
@@ -202,11 +206,14 @@ def _chain_params(stored, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl
 
 @gluon.jit
 def _chain_stored_smem(s_buf, z_buf, m_buf, ROW0: gl.constexpr, layout: gl.constexpr, HAS_ZERO: gl.constexpr,
-                       HAS_MIN: gl.constexpr):
-    """The K-tile's group parameters for the two 64-row chains from ROW0 on, from the ring stage's ``[1, BLOCK_N]``
-    buffers the loader filled by TMA (SCALES_TMA): unswizzled, so a flat view of the row is the same bytes."""
-    return (_row_stored_smem(s_buf, z_buf, m_buf, ROW0, layout, HAS_ZERO, HAS_MIN),
-            _row_stored_smem(s_buf, z_buf, m_buf, ROW0 + 64, layout, HAS_ZERO, HAS_MIN))
+                       HAS_MIN: gl.constexpr, CHAINS: gl.constexpr):
+    """The K-tile's group parameters for the CHAINS 64-row chains from ROW0 on (as `_chain_stored`), from the ring
+    stage's ``[1, BLOCK_N]`` buffers the loader filled by TMA (SCALES_TMA): unswizzled, so a flat view of the row
+    is the same bytes."""
+    first = _row_stored_smem(s_buf, z_buf, m_buf, ROW0, layout, HAS_ZERO, HAS_MIN)
+    if CHAINS == 2:
+        return first, _row_stored_smem(s_buf, z_buf, m_buf, ROW0 + 64, layout, HAS_ZERO, HAS_MIN)
+    return first, first
 
 
 @gluon.jit
@@ -252,16 +259,16 @@ def _store_out(acc, bias_ptr, out_ptr, off_m, off_n, split, M, N, out_stride, HA
 
 
 @gluon.jit
-def _store_tma(acc, c_buf, out_desc, bias_ptr, off_m, off_n, N, HAS_BIAS: gl.constexpr):
+def _store_tma(acc, c_buf, out_desc, bias_ptr, off_m, off_n, N, HAS_BIAS: gl.constexpr, CHAINS: gl.constexpr):
     """``out[m, n] = acc[n, m] (+ bias[n])`` through shared memory by a TMA store, left in flight: the tile is
     written straight from the accumulator's layout (no layout conversion) once the program's previous store from
-    this buffer has read it. A consumer's two chains store alternately from buffers of their own, so that store is
-    the one before the last this warpgroup issued."""
+    this buffer has read it. A consumer's chains store in turn from buffers of their own, so that store is the
+    CHAINS-th last this warpgroup issued."""
     result = acc
     if HAS_BIAS:
         n_idx = off_n + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
         result = result + gl.load(bias_ptr + n_idx, mask=n_idx < N, other=0.0).to(gl.float32)[:, None]
-    tma.store_wait(1)
+    tma.store_wait(CHAINS - 1)
     c_buf.permute((1, 0)).store(result.to(c_buf.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(out_desc, [off_m, off_n], c_buf)
@@ -319,14 +326,15 @@ def _nf4_chunks(words, j: gl.constexpr, scale, tables, x_like):
 @gluon.jit
 def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
                         HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                        INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, ROW0: gl.constexpr):
+                        INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, CHAINS: gl.constexpr,
+                        ROW0: gl.constexpr):
     """Dequantization into the MMA's register operand beside the previous chunk's asynchronous MMA, then the
     output. The words are loaded in the operand's own layout (a thread holds the words of the K columns its
     fragment needs: word c of a row is column 16 j + c of K-chunk j), so each 16-column chunk j is the words' nibble
-    j, dequantized in place. A warpgroup's 128 rows (from ROW0 in the tile) run as two 64-row chains with
+    j, dequantized in place. A warpgroup's rows (from ROW0 in the tile) run as CHAINS 64-row chains with
     accumulators of their own: one operand of several MMA repetitions made ptxas serialize every wgmma (C7515,
     "non wgmma instructions defining accumulator registers"); separate chains do not (docs/design/w4a16.md E12,
-    E13). As a worker partition it pipelines only with its accumulators zeroed by `_opaque_zeros` and its PTX
+    E13). One chain of a 256-token tile (E55) makes each dequantized operand feed an MMA twice as long. As a worker partition it pipelines only with its accumulators zeroed by `_opaque_zeros` and its PTX
     edited (`warp_specialize`, E40). INFLIGHT (1, 2 or 3): the chunks whose MMAs may still run when the next chunk's
     dequantization starts; each keeps its operand registers live until the wait that retires it. NF4 makes the
     operands of chunks j and j + 1 at even j (`_nf4_chunks`)."""
@@ -336,15 +344,18 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
     BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
     M = schedule[0]
     dtype: gl.constexpr = x_bufs.dtype
+    TWO: gl.constexpr = CHAINS == 2
+    consumer: gl.constexpr = ROW0 // (64 * CHAINS)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     prev0 = gl.zeros([64, 16], dtype, layout=a_layout)
-    prev1 = gl.zeros([64, 16], dtype, layout=a_layout)
     older0 = gl.zeros([64, 16], dtype, layout=a_layout)
-    older1 = gl.zeros([64, 16], dtype, layout=a_layout)
     oldest0 = gl.zeros([64, 16], dtype, layout=a_layout)
-    oldest1 = gl.zeros([64, 16], dtype, layout=a_layout)
+    if TWO:
+        prev1 = gl.zeros([64, 16], dtype, layout=a_layout)
+        older1 = gl.zeros([64, 16], dtype, layout=a_layout)
+        oldest1 = gl.zeros([64, 16], dtype, layout=a_layout)
     if NF4:
         tables = _nf4_tables(cb_ptr, gl.zeros([64, 16], gl.int32, layout=a_layout), gl.float16, 1.0)
     one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
@@ -353,58 +364,77 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
         off_m, off_n, split, tile0, num_tiles = _block_at(block, schedule)
         rows = off_n + ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
         acc0 = _opaque_zeros([64, BLOCK_M], acc_layout)
-        acc1 = _opaque_zeros([64, BLOCK_M], acc_layout)
+        if TWO:
+            acc1 = _opaque_zeros([64, BLOCK_M], acc_layout)
         for t in range(num_tiles):
             tile = tile0 + t
             if one_group and not SCALES_TMA:  # issued before the barrier waits, so its latency overlaps them
                 params0, params1 = _chain_params(
                     _chain_stored(s_ptr, z_ptr, m_ptr, 0 if PER_CHANNEL else tile * 128 // GROUP, s_stride, rows,
-                                  HAS_ZERO, HAS_MIN), HAS_ZERO, HAS_MIN, NF4, dtype)
+                                  HAS_ZERO, HAS_MIN, CHAINS), HAS_ZERO, HAS_MIN, NF4, dtype)
             s = step % stages
             phase = (step // stages) & 1
             mbarrier.wait(w_ready.index(s), phase)
             if SCALES_TMA:  # brought with the words (one group a K-tile)
                 params0, params1 = _chain_params(
                     _chain_stored_smem(s_bufs.index(s), z_bufs.index(s), m_bufs.index(s), ROW0,
-                                       gl.SliceLayout(1, a_layout), HAS_ZERO, HAS_MIN), HAS_ZERO, HAS_MIN, NF4, dtype)
+                                       gl.SliceLayout(1, a_layout), HAS_ZERO, HAS_MIN, CHAINS), HAS_ZERO, HAS_MIN,
+                    NF4, dtype)
             words0 = w_bufs.index(s).slice(ROW0, 64, dim=0).load(a_layout)
-            words1 = w_bufs.index(s).slice(ROW0 + 64, 64, dim=0).load(a_layout)
+            if TWO:
+                words1 = w_bufs.index(s).slice(ROW0 + 64, 64, dim=0).load(a_layout)
             mbarrier.wait(x_ready.index(s), phase)
             x_tile = x_bufs.index(s)
             for j in gl.static_range(8):
                 if not one_group and (16 * j) % GROUP == 0:
                     params0, params1 = _chain_params(
                         _chain_stored(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows, HAS_ZERO,
-                                      HAS_MIN), HAS_ZERO, HAS_MIN, NF4, dtype)
+                                      HAS_MIN, CHAINS), HAS_ZERO, HAS_MIN, NF4, dtype)
                 x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
                 if NF4:
                     if j % 2 == 0:  # (j + 1's operands are kept for the next chunk)
                         a0, next0 = _nf4_chunks(words0, j, params0, tables, x_chunk)
-                        a1, next1 = _nf4_chunks(words1, j, params1, tables, x_chunk)
+                        if TWO:
+                            a1, next1 = _nf4_chunks(words1, j, params1, tables, x_chunk)
                     else:
                         a0 = next0
-                        a1 = next1
+                        if TWO:
+                            a1 = next1
                     acc0 = warpgroup_mma(a0, x_chunk, acc0, is_async=True)
-                    acc1 = warpgroup_mma(a1, x_chunk, acc1, is_async=True)
+                    if TWO:
+                        acc1 = warpgroup_mma(a1, x_chunk, acc1, is_async=True)
                 else:
                     a0, acc0 = _chain_step(words0, j, params0, acc0, x_chunk)
-                    a1, acc1 = _chain_step(words1, j, params1, acc1, x_chunk)
+                    if TWO:
+                        a1, acc1 = _chain_step(words1, j, params1, acc1, x_chunk)
                 # retires the chunk INFLIGHT before this one, whose operand registers stay live until here; when
                 # that is the previous K-tile's last chunk, its x slot goes back to the loader
-                if INFLIGHT == 1:
-                    acc0, acc1, prev0, prev1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1, prev0, prev1))
-                elif INFLIGHT == 2:
-                    acc0, acc1, older0, older1 = warpgroup_mma_wait(num_outstanding=4,
-                                                                    deps=(acc0, acc1, older0, older1))
-                    older0 = prev0
-                    older1 = prev1
+                if TWO:
+                    if INFLIGHT == 1:
+                        acc0, acc1, prev0, prev1 = warpgroup_mma_wait(num_outstanding=2,
+                                                                      deps=(acc0, acc1, prev0, prev1))
+                    elif INFLIGHT == 2:
+                        acc0, acc1, older0, older1 = warpgroup_mma_wait(num_outstanding=4,
+                                                                        deps=(acc0, acc1, older0, older1))
+                        older0 = prev0
+                        older1 = prev1
+                    else:
+                        acc0, acc1, oldest0, oldest1 = warpgroup_mma_wait(num_outstanding=6,
+                                                                          deps=(acc0, acc1, oldest0, oldest1))
+                        oldest0 = older0
+                        oldest1 = older1
+                        older0 = prev0
+                        older1 = prev1
                 else:
-                    acc0, acc1, oldest0, oldest1 = warpgroup_mma_wait(num_outstanding=6,
-                                                                      deps=(acc0, acc1, oldest0, oldest1))
-                    oldest0 = older0
-                    oldest1 = older1
-                    older0 = prev0
-                    older1 = prev1
+                    if INFLIGHT == 1:
+                        acc0, prev0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, prev0))
+                    elif INFLIGHT == 2:
+                        acc0, older0 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, older0))
+                        older0 = prev0
+                    else:
+                        acc0, oldest0 = warpgroup_mma_wait(num_outstanding=3, deps=(acc0, oldest0))
+                        oldest0 = older0
+                        older0 = prev0
                 if j == INFLIGHT - 1:
                     # the words' slot goes back here, not right after their loads: by now those loads and the group
                     # parameters' have landed, so the release waits for neither (E45)
@@ -412,23 +442,31 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
                     mbarrier.arrive(w_empty.index(s), count=1)
                     mbarrier.arrive(x_empty.index((step + stages - 1) % stages), count=1, pred=t > 0)
                 prev0 = a0
-                prev1 = a1
+                if TWO:
+                    prev1 = a1
             step += 1
-        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        if TWO:
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        else:
+            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
         # the block's last x slot back to the loader, which may be filling the ring for this program's next block
         mbarrier.arrive(x_empty.index((step + stages - 1) % stages), count=1, pred=num_tiles > 0)
         if TMA_STORE and PARTIAL:  # split parts' rows of M rounded up to whole token tiles
             row = split * gl.cdiv(M, BLOCK_M) * BLOCK_M + off_m
-            _store_tma_partial(acc0, c_bufs.index(ROW0 // 128), out_desc, row, off_n + ROW0)
-            _store_tma_partial(acc1, c_bufs.index(ROW0 // 128), out_desc, row, off_n + ROW0 + 64)
+            _store_tma_partial(acc0, c_bufs.index(consumer), out_desc, row, off_n + ROW0)
+            if TWO:
+                _store_tma_partial(acc1, c_bufs.index(consumer), out_desc, row, off_n + ROW0 + 64)
         elif TMA_STORE:
-            _store_tma(acc0, c_bufs.index(ROW0 // 64), out_desc, bias_ptr, off_m, off_n + ROW0, N, HAS_BIAS)
-            _store_tma(acc1, c_bufs.index(ROW0 // 64 + 1), out_desc, bias_ptr, off_m, off_n + ROW0 + 64, N, HAS_BIAS)
+            _store_tma(acc0, c_bufs.index(ROW0 // 64), out_desc, bias_ptr, off_m, off_n + ROW0, N, HAS_BIAS, CHAINS)
+            if TWO:
+                _store_tma(acc1, c_bufs.index(ROW0 // 64 + 1), out_desc, bias_ptr, off_m, off_n + ROW0 + 64, N,
+                           HAS_BIAS, CHAINS)
         else:
             _store_out(acc0, bias_ptr, out_ptr, off_m, off_n + ROW0, split, M, N, out_stride, HAS_BIAS, PARTIAL,
                        dtype)
-            _store_out(acc1, bias_ptr, out_ptr, off_m, off_n + ROW0 + 64, split, M, N, out_stride, HAS_BIAS,
-                       PARTIAL, dtype)
+            if TWO:
+                _store_out(acc1, bias_ptr, out_ptr, off_m, off_n + ROW0 + 64, split, M, N, out_stride, HAS_BIAS,
+                           PARTIAL, dtype)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -438,14 +476,14 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, c
                   M, N, columns, num_tiles, per_split, s_stride, out_stride, GROUP: gl.constexpr,
                   PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr,
                   HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr,
-                  TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr):
+                  TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, CHAINS: gl.constexpr):
     """Output blocks (token tile, row tile of 128 or 256 of `columns`, K split) from `program_id` on, a grid apart
     (persistent programs); a block runs K-tiles [split * per_split, ...) of `num_tiles`; with PARTIAL its fp32
     partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction), else its output is stored
     through `out_ptr`, or with TMA_STORE through `out_desc` (`_store_tma`; with PARTIAL `_store_tma_partial` into
-    parts padded to whole token tiles). A consumer warpgroup per 128 rows (the first the default partition, a second
-    a worker) and the loader warp, whose ring runs on across a program's blocks; INFLIGHT chunks of MMAs run beside
-    the next chunk's dequantization. SCALES_TMA: the K-tile's group parameters come with its words through
+    parts padded to whole token tiles). A consumer warpgroup per CHAINS 64-row chains (the first the default
+    partition, a second a worker) and the loader warp, whose ring runs on across a program's blocks; INFLIGHT chunks
+    of MMAs run beside the next chunk's dequantization. SCALES_TMA: the K-tile's group parameters come with its words through
     `s_desc` / `z_desc` / `m_desc` (one group a K-tile), not through `s_ptr` / `z_ptr` / `m_ptr`."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -458,14 +496,14 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, c
     w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    consumers: gl.constexpr = BLOCK_N // 128
+    consumers: gl.constexpr = BLOCK_N // (64 * CHAINS)
     for i in gl.static_range(STAGES):
         mbarrier.init(w_ready.index(i), count=1)
         mbarrier.init(w_empty.index(i), count=consumers)
         mbarrier.init(x_ready.index(i), count=1)
         mbarrier.init(x_empty.index(i), count=consumers)
     if TMA_STORE and PARTIAL:  # per consumer two [BLOCK_M, 32] fp32 halves of a chain, as out_desc's block
-        c_bufs = gl.allocate_shared_memory(gl.float32, [BLOCK_N // 128, 2 * BLOCK_M, 32], out_desc.layout)
+        c_bufs = gl.allocate_shared_memory(gl.float32, [consumers, 2 * BLOCK_M, 32], out_desc.layout)
     elif TMA_STORE:  # per 64-row chain a [BLOCK_M, 64] output tile (out_desc's block)
         c_bufs = gl.allocate_shared_memory(dtype, [BLOCK_N // 64] + out_desc.block_type.shape, out_desc.layout)
     else:
@@ -491,16 +529,16 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, c
         gl.warp_specialize([
             (_consumer_partition,
              (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
-              SCALES_TMA, 0)),
+              SCALES_TMA, CHAINS, 0)),
             (_consumer_partition,
              (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
-              SCALES_TMA, 128)),
+              SCALES_TMA, CHAINS, 64 * CHAINS)),
             (_load_partition, loader),
         ], [4, 1], [232, 24])
     else:
         gl.warp_specialize([
             (_consumer_partition,
              (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
-              SCALES_TMA, 0)),
+              SCALES_TMA, CHAINS, 0)),
             (_load_partition, loader),
         ], [1], [24])
