@@ -60,17 +60,25 @@ def _block_count(schedule):
 
 @gluon.constexpr_function
 def _stage_bytes(words, scales, zeros, minima, has_zero, has_min, scales_tma):
-    """Bytes the words' barrier of a ring stage waits for."""
+    """Bytes the words' barrier of a ring stage waits for. The flags must be compile-time bools: a flag that came
+    as a tensor would count boxes that never arrive, and the barrier would never complete (a hang)."""
+    if not all(isinstance(flag, bool) for flag in (has_zero, has_min, scales_tma)):
+        raise TypeError(f"_stage_bytes: has_zero / has_min / scales_tma must be constexpr bools, got "
+                        f"{[type(flag).__name__ for flag in (has_zero, has_min, scales_tma)]}")
     if not scales_tma:
         return words
     return words + scales + (zeros if has_zero else 0) + (minima if has_min else 0)
 
 
 @gluon.jit
-def _load_partition(w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, schedule, params):
+def _load_partition(ring, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
+                    HAS_MIN: gl.constexpr, SCALES_TMA: gl.constexpr):
     """The ring's producer: each K-tile's words (with SCALES_TMA its group's scales, zero points and minima
-    beside them, on the words' barrier) and x's columns, by TMA."""
-    s_desc, z_desc, m_desc, s_bufs, z_bufs, m_bufs, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, SCALES_TMA = params
+    beside them, on the words' barrier) and x's columns, by TMA. The flags come as arguments of their own, written
+    out in the `warp_specialize` call: a tuple assigned to a variable in a jit function holds its constexprs as
+    tensors, and a flag that is a tensor here would make `_stage_bytes` count boxes that never arrive."""
+    w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, schedule, s_desc, z_desc, m_desc, s_bufs, \
+        z_bufs, m_bufs = ring
     stages: gl.constexpr = w_bufs.type.shape[0]
     w_bytes: gl.constexpr = _stage_bytes(w_desc.block_type.nbytes, s_desc.block_type.nbytes, z_desc.block_type.nbytes,
                                          m_desc.block_type.nbytes, HAS_ZERO, HAS_MIN, SCALES_TMA)
@@ -522,8 +530,8 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, c
         m_bufs = w_bufs
     operands = (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
                 out_desc, c_bufs, s_bufs, z_bufs, m_bufs, schedule, N, s_stride, out_stride)
-    loader = (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, schedule,
-              (s_desc, z_desc, m_desc, s_bufs, z_bufs, m_bufs, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, SCALES_TMA))
+    ring = (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, schedule, s_desc, z_desc, m_desc,
+            s_bufs, z_bufs, m_bufs)
     if consumers == 2:
         # the worker's wgmma pipeline only in PTX edited by `warp_specialize.unlooped_workers` (the launcher's)
         gl.warp_specialize([
@@ -533,12 +541,12 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, c
             (_consumer_partition,
              (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
               SCALES_TMA, CHAINS, 64 * CHAINS)),
-            (_load_partition, loader),
+            (_load_partition, (ring, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, SCALES_TMA)),
         ], [4, 1], [232, 24])
     else:
         gl.warp_specialize([
             (_consumer_partition,
              (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
               SCALES_TMA, CHAINS, 0)),
-            (_load_partition, loader),
+            (_load_partition, (ring, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, SCALES_TMA)),
         ], [1], [24])
