@@ -389,6 +389,23 @@ def test_nf4_runs_mma_entries_on_single_block_warps(k):
         assert k.tuning.nf4_tiles({**dot, "mma": mma}, 16, 8192, 132, 64)["mma"] == want
 
 
+def test_gluon_kernels_only_on_the_triton_release_they_were_built_for(k, caplog, monkeypatch):
+    """On a Triton release outside `GLUON_TRITON_RELEASES` (Gluon's API changes between releases: 3.9 removed the
+    TMA copy names both Gluon kernels call) neither Gluon kernel applies, so plans fall back to the
+    Triton-language kernels; one warning per kernel module says so."""
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    k.tuning._gluon_available.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert not any(k.tuning._gluon_available(module) for module in ("mma", "wgmma", "mma", "wgmma"))
+        messages = [r.getMessage() for r in caplog.records if "built for Triton" in r.getMessage()]
+        assert len(messages) == 2 and all("3.9.0" in message for message in messages)
+    finally:
+        k.tuning._gluon_available.cache_clear()
+
+
 def test_untuned_shapes_are_logged_once(k, caplog):
     """A GPU shape with no table entry runs the heuristic and says so, once per GPU and shape."""
     k.tuning._note_heuristic.cache_clear()

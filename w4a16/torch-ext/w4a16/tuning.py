@@ -371,9 +371,27 @@ def tma_rows(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
+# Triton releases (major.minor) whose Gluon API the Gluon kernels (`triton_kernels.mma`, `triton_kernels.wgmma`,
+# and `warp_specialize`'s PTX edit) were written and GPU-tested against. Gluon is experimental and changes between
+# releases: Triton 3.9 removed `tma.async_copy_global_to_shared` / `async_copy_shared_to_global`, which both kernels
+# call, so their compile fails there, and releases after 3.6 call the stage hook `unlooped_workers` sets with no
+# arguments (for a cache key), which it does not take. On any other release the plans fall back to the
+# Triton-language kernels.
+GLUON_TRITON_RELEASES = ("3.6",)
+
+
 @functools.lru_cache(maxsize=None)
 def _gluon_available(module: str) -> bool:
-    """Whether this Triton build has the Gluon ops that `triton_kernels.<module>` imports."""
+    """Whether this Triton build has the Gluon ops that `triton_kernels.<module>` imports and is a release those
+    kernels were tested on (`GLUON_TRITON_RELEASES`; elsewhere a warning, once, and the Triton-language kernels)."""
+    import triton
+
+    release = ".".join(triton.__version__.split(".")[:2])
+    if release not in GLUON_TRITON_RELEASES:
+        logger.warning("w4a16: the Gluon kernels were built for Triton %s, this is Triton %s; running the "
+                       "Triton-language kernels in place of triton_kernels.%s (slower at some M, same results)",
+                       " / ".join(GLUON_TRITON_RELEASES), triton.__version__, module)
+        return False
     try:
         importlib.import_module(f".triton_kernels.{module}", __package__)
     except ImportError:
