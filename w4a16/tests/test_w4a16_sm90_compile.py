@@ -1,0 +1,61 @@
+"""The Gluon kernels compiled for sm_90a on the CPU (no GPU, nothing launched): the shipped wgmma tile in every
+weight format, each opt-in plan key, a split launch, and the mma GEMV with and without its cp.async ring.
+
+The interpreter cannot run Gluon, so without this a device run is the first to compile them. A compile error, a
+refusal at compile time (`wgmma._stage_bytes` refuses format flags that reached it as tensors: that mistake made
+every launch wait for bytes that never arrive, docs/design/w4a16.md run 141) or a spill fails here. Only on the
+Triton release the kernels were built for (`tuning.GLUON_TRITON_RELEASES`): elsewhere they never run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TILE = {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2}
+CASES = {
+    **{f"wgmma-{fmt}": ["wgmma", {**TILE, "split_k": 1}, fmt, 300] for fmt in ("int4", "zp", "mins", "nf4")},
+    "wgmma-split-auto": ["wgmma", {**TILE, "split_k": "auto"}, "int4", 512],
+    "wgmma-64x128-split3": ["wgmma", {"block_m": 64, "num_stages": 4, "split_k": 3}, "zp", 300],
+    "wgmma-inflight3": ["wgmma", {**TILE, "inflight": 3}, "nf4", 300],
+    "wgmma-scales-tma": ["wgmma", {**TILE, "scales_tma": True}, "zp", 300],
+    "wgmma-chains1": ["wgmma", {"block_m": 256, "block_n": 128, "num_stages": 2, "inflight": 2, "chains": 1},
+                      "int4", 300],
+    "mma": ["mma", {"block_m": 8, "num_warps": 4}, "zp", 4],
+    "mma-ring": ["mma", {"block_m": 16, "num_warps": 4, "stages": 2, "tiles": 2}, "nf4", 16],
+}
+
+
+@pytest.fixture(scope="module")
+def k(load_kernel):
+    return load_kernel("w4a16")
+
+
+@pytest.fixture(scope="module")
+def compiled(k, built_kernel_dir):
+    """Each case's line from `sm90_compile.py`, run once for all of them in a process without the interpreter."""
+    import triton
+
+    release = ".".join(triton.__version__.split(".")[:2])
+    if release not in k.tuning.GLUON_TRITON_RELEASES:
+        pytest.skip(f"Triton {triton.__version__}: the Gluon kernels are built for "
+                    f"{k.tuning.GLUON_TRITON_RELEASES} and never run on this release")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("sm90_compile.py")
+    done = subprocess.run([sys.executable, str(script), str(built_kernel_dir("w4a16")), json.dumps(list(CASES.values()))],
+                          env=env, capture_output=True, text=True, timeout=900)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(CASES), done.stderr[-3000:]
+    return dict(zip(CASES, lines))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gluon_plans_compile_for_sm90_without_spills(compiled, case):
+    result = compiled[case]
+    assert "error" not in result, result.get("error")
+    kernel = "_wgmma_kernel" if case.startswith("wgmma") else "_mma_gemv_kernel"
+    ours = [c for c in result["compiled"] if c["kernel"] == kernel]
+    assert ours, result
+    assert all(c["stack"] == 0 for c in ours), ours
