@@ -3,13 +3,14 @@ BUILD a kernel build folder (`hubtools.build.build_kernel`'s), CASES a JSON list
 (kind: ``"wgmma"`` or ``"mma"``; fmt: ``"int4"``, ``"zp"``, ``"mins"`` or ``"nf4"``). Prints one JSON line a case:
 the kernels compiled (name, shared memory, registers, stack bytes a thread) or the error.
 
-Run by `test_w4a16_sm90_compile.py` in a process of its own: the test session runs Triton through the
-interpreter, and the target must be set before any kernel compiles. Triton's active driver is replaced by one
+Run by `test_w4a16_sm90_compile.py` in a process of its own (the test session runs Triton through the
+interpreter, and the target must be set before any kernel compiles), by a Python with Triton 3.6. Triton's active driver is replaced by one
 that reports an sm_90a target, and `JITFunction.run` compiles with ``warmup=True`` (no launch), so the launchers
 run as they would on the GPU up to the kernel call: descriptors, plans, the PTX edit of `unlooped_workers`."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -76,14 +77,23 @@ def _weights(fmt: str, n: int, k: int):
     return qweight, scales, zeros, mins, codebook, group
 
 
-def main(build: str, cases: str) -> None:
-    import kernels
+def _import_build(build: Path):
+    """The built package's CUDA variant, imported as ``w4a16`` (without `kernels`, so that any Python with torch
+    and the right Triton can run this)."""
+    variant = build / "build" / "torch-cuda"
+    spec = importlib.util.spec_from_file_location("w4a16", variant / "__init__.py",
+                                                  submodule_search_locations=[str(variant)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["w4a16"] = module
+    spec.loader.exec_module(module)
+    return module
 
+
+def main(build: str, cases: str) -> None:
     driver.set_active(_CompileOnlyDriver())
     compiled: list = []
     JITFunction.run = _compile_only(compiled)
-    module = kernels.get_local_kernel(Path(build) / "build")
-    launch = module.triton_kernels.launch
+    launch = _import_build(Path(build)).triton_kernels.launch
     # the H100 / H200 opt-in limit; the launcher otherwise asks the (absent) device
     launch._shared_memory_per_block = lambda index: 232448
     n, k = 3072, 5120

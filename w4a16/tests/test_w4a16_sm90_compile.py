@@ -3,8 +3,9 @@ weight format, each opt-in plan key, a split launch, and the mma GEMV with and w
 
 The interpreter cannot run Gluon, so without this a device run is the first to compile them. A compile error, a
 refusal at compile time (`wgmma._stage_bytes` refuses format flags that reached it as tensors: that mistake made
-every launch wait for bytes that never arrive, docs/design/w4a16.md run 141) or a spill fails here. Only on the
-Triton release the kernels were built for (`tuning.GLUON_TRITON_RELEASES`): elsewhere they never run."""
+every launch wait for bytes that never arrive, docs/design/w4a16.md run 141) or a spill fails here. It needs the
+Triton release the kernels were built for (`tuning.GLUON_TRITON_RELEASES`; elsewhere they never run): this
+Python's, or that of the Python `W4A16_COMPILE_PYTHON` names."""
 
 import json
 import os
@@ -33,18 +34,29 @@ def k(load_kernel):
     return load_kernel("w4a16")
 
 
+def _compiler_python(releases) -> str | None:
+    """A Python whose Triton is one of `releases`: this one, or the one `W4A16_COMPILE_PYTHON` names (a venv with
+    ``torch`` and ``triton==3.6.*``, for machines whose own Triton is newer, as CI's interpreter extra is)."""
+    candidates = [sys.executable] + ([os.environ["W4A16_COMPILE_PYTHON"]] if "W4A16_COMPILE_PYTHON" in os.environ
+                                     else [])
+    for python in candidates:
+        version = subprocess.run([python, "-c", "import triton; print(triton.__version__)"], capture_output=True,
+                                 text=True).stdout.strip()
+        if ".".join(version.split(".")[:2]) in releases:
+            return python
+    return None
+
+
 @pytest.fixture(scope="module")
 def compiled(k, built_kernel_dir):
     """Each case's line from `sm90_compile.py`, run once for all of them in a process without the interpreter."""
-    import triton
-
-    release = ".".join(triton.__version__.split(".")[:2])
-    if release not in k.tuning.GLUON_TRITON_RELEASES:
-        pytest.skip(f"Triton {triton.__version__}: the Gluon kernels are built for "
-                    f"{k.tuning.GLUON_TRITON_RELEASES} and never run on this release")
+    python = _compiler_python(k.tuning.GLUON_TRITON_RELEASES)
+    if python is None:
+        pytest.skip(f"no Triton {' / '.join(k.tuning.GLUON_TRITON_RELEASES)} (the Gluon kernels' release) here: "
+                    "set W4A16_COMPILE_PYTHON to a Python that has it")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("sm90_compile.py")
-    done = subprocess.run([sys.executable, str(script), str(built_kernel_dir("w4a16")), json.dumps(list(CASES.values()))],
+    done = subprocess.run([python, str(script), str(built_kernel_dir("w4a16")), json.dumps(list(CASES.values()))],
                           env=env, capture_output=True, text=True, timeout=900)
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == len(CASES), done.stderr[-3000:]
