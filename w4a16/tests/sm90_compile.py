@@ -4,9 +4,10 @@ BUILD a kernel build folder (`hubtools.build.build_kernel`'s), CASES a JSON list
 the kernels compiled (name, shared memory, registers, stack bytes a thread) or the error.
 
 Run by `test_w4a16_sm90_compile.py` in a process of its own (the test session runs Triton through the
-interpreter, and the target must be set before any kernel compiles), by a Python with Triton 3.6. Triton's active driver is replaced by one
-that reports an sm_90a target, and `JITFunction.run` compiles with ``warmup=True`` (no launch), so the launchers
-run as they would on the GPU up to the kernel call: descriptors, plans, the PTX edit of `unlooped_workers`."""
+interpreter, and the target must be set before any kernel compiles), by a Python with Triton 3.6. Triton's active
+driver is replaced by one that reports an sm_90a target, and `JITFunction.run` compiles with ``warmup=True`` (no
+launch), so the launchers run as they would on the GPU up to the kernel call: descriptors, plans, the PTX edit of
+`unlooped_workers`."""
 
 from __future__ import annotations
 

@@ -342,8 +342,9 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
     j, dequantized in place. A warpgroup's rows (from ROW0 in the tile) run as CHAINS 64-row chains with
     accumulators of their own: one operand of several MMA repetitions made ptxas serialize every wgmma (C7515,
     "non wgmma instructions defining accumulator registers"); separate chains do not (docs/design/w4a16.md E12,
-    E13). One chain of a 256-token tile (E55) makes each dequantized operand feed an MMA twice as long. As a worker partition it pipelines only with its accumulators zeroed by `_opaque_zeros` and its PTX
-    edited (`warp_specialize`, E40). INFLIGHT (1, 2 or 3): the chunks whose MMAs may still run when the next chunk's
+    E13). One chain of a 256-token tile (E55) makes each dequantized operand feed an MMA twice as long. As a worker
+    partition it pipelines only with its accumulators zeroed by `_opaque_zeros` and its PTX edited
+    (`warp_specialize`, E40). INFLIGHT (1, 2 or 3): the chunks whose MMAs may still run when the next chunk's
     dequantization starts; each keeps its operand registers live until the wait that retires it. NF4 makes the
     operands of chunks j and j + 1 at even j (`_nf4_chunks`)."""
     (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr, out_desc,
@@ -491,8 +492,8 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, c
     through `out_ptr`, or with TMA_STORE through `out_desc` (`_store_tma`; with PARTIAL `_store_tma_partial` into
     parts padded to whole token tiles). A consumer warpgroup per CHAINS 64-row chains (the first the default
     partition, a second a worker) and the loader warp, whose ring runs on across a program's blocks; INFLIGHT chunks
-    of MMAs run beside the next chunk's dequantization. SCALES_TMA: the K-tile's group parameters come with its words through
-    `s_desc` / `z_desc` / `m_desc` (one group a K-tile), not through `s_ptr` / `z_ptr` / `m_ptr`."""
+    of MMAs run beside the next chunk's dequantization. SCALES_TMA: the K-tile's group parameters come with its
+    words through `s_desc` / `z_desc` / `m_desc` (one group a K-tile), not through `s_ptr` / `z_ptr` / `m_ptr`."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
