@@ -34,15 +34,16 @@ def k(load_kernel):
     return load_kernel("w4a16")
 
 
-def _compiler_python(releases) -> str | None:
-    """A Python whose Triton is one of `releases`: this one, or the one `W4A16_COMPILE_PYTHON` names (a venv with
-    ``torch`` and ``triton==3.6.*``, for machines whose own Triton is newer, as CI's interpreter extra is)."""
+def _compiler_python(is_release) -> str | None:
+    """A Python whose Triton `is_release` accepts (`tuning.gluon_release`): this one, or the one
+    `W4A16_COMPILE_PYTHON` names (a venv with ``torch`` and ``triton==3.6.*``, for machines whose own Triton is
+    newer, as CI's interpreter extra is)."""
     candidates = [sys.executable] + ([os.environ["W4A16_COMPILE_PYTHON"]] if "W4A16_COMPILE_PYTHON" in os.environ
                                      else [])
     for python in candidates:
         version = subprocess.run([python, "-c", "import triton; print(triton.__version__)"], capture_output=True,
                                  text=True).stdout.strip()
-        if ".".join(version.split(".")[:2]) in releases:
+        if version and is_release(version):
             return python
     return None
 
@@ -50,7 +51,7 @@ def _compiler_python(releases) -> str | None:
 @pytest.fixture(scope="module")
 def compiled(k, built_kernel_dir):
     """Each case's line from `sm90_compile.py`, run once for all of them in a process without the interpreter."""
-    python = _compiler_python(k.tuning.GLUON_TRITON_RELEASES)
+    python = _compiler_python(k.tuning.gluon_release)
     if python is None:
         pytest.skip(f"no Triton {' / '.join(k.tuning.GLUON_TRITON_RELEASES)} (the Gluon kernels' release) here: "
                     "set W4A16_COMPILE_PYTHON to a Python that has it")

@@ -380,14 +380,18 @@ def tma_rows(x: torch.Tensor) -> bool:
 GLUON_TRITON_RELEASES = ("3.6",)
 
 
+def gluon_release(triton_version: str) -> bool:
+    """Whether a Triton of version `triton_version` (``"3.6.0"``) is a release the Gluon kernels were built for."""
+    return ".".join(triton_version.split(".")[:2]) in GLUON_TRITON_RELEASES
+
+
 @functools.lru_cache(maxsize=None)
 def _gluon_available(module: str) -> bool:
     """Whether this Triton build has the Gluon ops that `triton_kernels.<module>` imports and is a release those
-    kernels were tested on (`GLUON_TRITON_RELEASES`; elsewhere a warning, once, and the Triton-language kernels)."""
+    kernels were tested on (`gluon_release`; elsewhere a warning, once, and the Triton-language kernels)."""
     import triton
 
-    release = ".".join(triton.__version__.split(".")[:2])
-    if release not in GLUON_TRITON_RELEASES:
+    if not gluon_release(triton.__version__):
         logger.warning("w4a16: the Gluon kernels were built for Triton %s, this is Triton %s; running the "
                        "Triton-language kernels in place of triton_kernels.%s (slower at some M, same results)",
                        " / ".join(GLUON_TRITON_RELEASES), triton.__version__, module)
