@@ -148,6 +148,7 @@ def test_dequantize_first(k, monkeypatch, name, dtype):
     tk = k.ops.triton_kernels
     assert T * top_k >= tk.DEQUANT_MIN_PAIRS * E
     monkeypatch.setattr(tk.launch, "DEQUANT_CHUNK_BYTES", 3 * (2 * I * H + H * I) * dtype.itemsize)
+    monkeypatch.setattr(tk.launch, "WGMMA_MIN_PAIRS", T * top_k + 1)  # not the Gluon kernel, which Hopper runs here
     (q_gate_up, q_down), g = layer(k, E, H, I, name, seed=7, dtype=dtype)
     x = torch.randn(T, H, device="cuda", generator=g).to(dtype)
     weights, ids = routing(T, E, top_k)
@@ -170,6 +171,53 @@ def test_dequantize_first(k, monkeypatch, name, dtype):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         tk.experts(x, q_gate_up, q_down, weights, ids, other)
+    for _ in range(3):
+        other.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(other, out)
+
+
+WGMMA_CASES = {  # id: (format, dtype, E, H, I, T, BLOCK_M, skewed, num_stages)
+    "g128-bf16-m128": ("int4-g128", torch.bfloat16, 16, 1920, 768, 1200, 128, False, 3),
+    "zp-g32-fp16-m64": ("int4-zp-g32", torch.float16, 16, 1920, 768, 300, 64, False, 3),
+    "min-g64-bf16-m128-skewed": ("int4-min-g64", torch.bfloat16, 16, 1920, 768, 1200, 128, True, 2),
+    "zp-channel-bf16-m64-i704": ("int4-zp-channel", torch.bfloat16, 16, 1920, 704, 300, 64, False, 4),
+    "g256-fp16-m128": ("int4-g256", torch.float16, 8, 2048, 768, 700, 128, False, 3),
+    "zp-g128-bf16-m128-e64": ("int4-zp-g128", torch.bfloat16, 64, 1024, 512, 2000, 128, False, 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WGMMA_CASES))
+def test_grouped_wgmma(k, case):
+    """The Gluon grouped kernel (config WGMMA; Hopper with the Triton release it was built for) against float64
+    into a NaN-poisoned output: every int4 format, fp16 / bf16, BLOCK_M 64 / 128, H = 1920 (K past the last whole
+    tile, zero-filled by TMA) and I = 704 (the last column tile's gate box reaching into the up rows and its up
+    box past the expert), skewed routing (empty experts, one expert's long run of tiles); then bit-equal over
+    repeated calls and CUDA-graph replays (a race between the ring's barriers and its readers would move it)."""
+    name, dtype, E, H, I, T, block_m, skewed, stages = WGMMA_CASES[case]
+    tk = k.ops.triton_kernels
+    top_k = 4
+    (q_gate_up, q_down), g = layer(k, E, H, I, name, seed=11, dtype=dtype)
+    x = torch.randn(T, H, device="cuda", generator=g).to(dtype)
+    if not tk.launch.grouped_wgmma_supported(x, q_gate_up, q_down):
+        pytest.skip("the Gluon grouped kernel needs an sm_90 GPU and Triton "
+                    f"{' / '.join(tk.launch.GLUON_TRITON_RELEASES)}")
+    weights, ids = routing(T, E, top_k, skewed)
+    config = {"WGMMA": {"num_stages": stages}, "BLOCK_M": block_m}
+    out = torch.full((T, H), float("nan"), device="cuda", dtype=dtype)
+    tk.experts(x, q_gate_up, q_down, weights, ids, out, config=config)
+    ref = experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32), weights,
+                          ids)
+    assert rel_error(out, ref) <= TOL
+    other = torch.full_like(out, float("nan"))
+    for _ in range(3):
+        other.fill_(float("nan"))
+        tk.experts(x, q_gate_up, q_down, weights, ids, other, config=config)
+        assert torch.equal(other, out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.experts(x, q_gate_up, q_down, weights, ids, other, config=config)
     for _ in range(3):
         other.fill_(float("nan"))
         graph.replay()

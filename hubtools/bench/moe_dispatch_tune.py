@@ -206,6 +206,14 @@ DOT_4BIT = {  # 4-bit experts' tl.dot candidates: name -> (BLOCK_M or None for t
 }
 
 
+# 4-bit experts' Gluon grouped kernel (`launch._grouped_wgmma`, Hopper): name -> whole config
+WGMMA_4BIT = {
+    "wgmma-m128-s3": {"WGMMA": {"num_stages": 3}, "BLOCK_M": 128},
+    "wgmma-m128-s4": {"WGMMA": {"num_stages": 4}, "BLOCK_M": 128},
+    "wgmma-m64-s4": {"WGMMA": {"num_stages": 4}, "BLOCK_M": 64},
+}
+
+
 def _quant_cases(tk, k, names, tokens):
     """(model name, T, layer copies, call(config) -> fn(i), reference output, bound seconds) for 4-bit experts
     (int4 g128, bf16 activations): rotated layer copies and the benchmark's routed inputs; `call` runs `experts`
@@ -311,7 +319,8 @@ def dot_4bit(tk, k, names, tokens, candidates, progress=None, compile_only=False
             trials["dequantize first"] = {"DEQUANT": True, **tk.get_config(T, m.experts, m.hidden, m.intermediate,
                                                                            m.top_k, torch.bfloat16, cuda)}
         trials.update({cand: _dot_config(*spec) for cand, spec in candidates.items()
-                       if _fits(spec[0], decode, T * m.top_k / m.experts)})
+                       if cand in DOT_4BIT and _fits(spec[0], decode, T * m.top_k / m.experts)})
+        trials.update({cand: config for cand, config in candidates.items() if cand in WGMMA_4BIT and not decode})
         for cand, config in trials.items():
             if compile_only:
                 call(config)(0)
@@ -367,7 +376,7 @@ def main() -> None:
     parser.add_argument("--dot-4bit", nargs="*", type=int, metavar="T",
                         help="time the 4-bit experts' tl.dot candidates at these token counts instead "
                              "(writes DIR/dot-4bit-results.json, no configs)")
-    parser.add_argument("--candidates", nargs="*", choices=sorted(PACKED) + sorted(DOT_4BIT),
+    parser.add_argument("--candidates", nargs="*", choices=sorted(PACKED) + sorted(DOT_4BIT) + sorted(WGMMA_4BIT),
                         help="with --gemv-4bit / --dot-4bit: only these")
     args = parser.parse_args()
     if args.configs_from and not args.device:
@@ -379,7 +388,7 @@ def main() -> None:
     tk = k.ops.triton_kernels
     env = environment()
     for tokens, table, sweep, stem in ((args.gemv_4bit, PACKED, gemv_4bit, "gemv-4bit"),
-                                       (args.dot_4bit, DOT_4BIT, dot_4bit, "dot-4bit")):
+                                       (args.dot_4bit, {**DOT_4BIT, **WGMMA_4BIT}, dot_4bit, "dot-4bit")):
         if tokens is None:
             continue
         args.out.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,12 @@ CHUNK_TOKENS = 64  # tokens per routing chunk; the sort places one chunk per pro
 # (run 61: Mixtral-8x7B and Qwen3-30B-A3B at T = 4096), dequantizing first ~0.7 ps per weight (2.5 bytes of
 # traffic): even at ~6 blocks, ~400 pairs (docs/design/moe-dispatch.md).
 DEQUANT_MIN_PAIRS = 512
+# 4-bit int4 experts on Hopper from this many pairs per expert: the Gluon grouped kernel (`launch._grouped_wgmma`,
+# dequantization overlapped with wgmma), WGMMA_PLAN, ahead of both paths above. On the H100 (runs 143-144,
+# docs/design/moe-dispatch.md E56) it ran 1.39x the shipped path at 256 and 1024 pairs per expert on Mixtral-8x7B and
+# 1.11x at 256 on Qwen3-30B-A3B, but 0.90-0.93x at 128 and less on Qwen3 (short K: 16 and 6 K-tiles a block).
+WGMMA_MIN_PAIRS = 256
+WGMMA_PLAN = {"WGMMA": {"num_stages": 3}, "BLOCK_M": 128}
 DEQUANT_CHUNK_BYTES = 1 << 30
 DEQUANT_BLOCK_N = 64  # weight rows per program of the dequantize kernel
 # the next chunk dequantized on a second stream while the grouped kernels run the last one

@@ -112,6 +112,25 @@ def _down_grouped_kernel(
              (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gather_rows_kernel(x_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, H, stride_xt, stride_ot,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[r] = x[token of sorted pair r] for the rows of used token blocks, zero at padding: the activations of
+    the grouped gate / up GEMM in sorted order, for kernels that read them by TMA (`wgmma`), which cannot gather.
+    Grid (token blocks, column blocks)."""
+    block = tl.program_id(0)
+    if tl.load(block_expert_ptr + block) < 0:  # an unused block: no kernel reads its rows
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + rows)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    tokens = (pairs // TOP_K).to(tl.int64)
+    values = tl.load(x_ptr + tokens[:, None] * stride_xt + cols[None, :],
+                     mask=(pairs < num_pairs)[:, None] & col_ok[None, :], other=0.0)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :], values, mask=col_ok[None, :])
+
+
 @triton.jit
 def _dequantize_kernel(w_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, out_ptr, row_lo, N, K,
                        stride_we, stride_wn, stride_se, stride_sg, stride_oe, stride_on,

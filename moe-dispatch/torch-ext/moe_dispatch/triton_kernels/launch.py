@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import logging
 import os
 
 import torch
@@ -12,13 +14,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quantized import QuantizedExperts
 from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_BLOCK_N, DEQUANT_CHUNK_BYTES, DEQUANT_MIN_PAIRS,
-                      DEQUANT_OVERLAP, ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, _for_dtype,
-                      _for_weights, default_config, get_config)
+                      DEQUANT_OVERLAP, ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, WGMMA_MIN_PAIRS,
+                      WGMMA_PLAN, _for_dtype, _for_weights, _sm_count, default_config, get_config)
 from .experts import (_combine_kernel, _dequantize_kernel, _down_decode_kernel, _down_grouped_kernel,
-                      _gate_up_decode_kernel, _gate_up_grouped_kernel)
+                      _gate_up_decode_kernel, _gate_up_grouped_kernel, _gather_rows_kernel)
 from .gemv import _down_gemv_kernel, _down_h2_kernel, _gate_up_gemv_kernel, _gate_up_h2_kernel
 from .routing import _align_kernel, _histogram_kernel, _route_kernel, _router_gemv_kernel
 from .tiles import SCALE_ON_ACC
+
+logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -313,6 +317,105 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
+# Triton releases (major.minor) the Gluon kernel (`wgmma`, and `warp_specialize`'s PTX edit) was written and
+# GPU-tested against: Gluon is experimental and changes between releases (Triton 3.9 removed the TMA copy names it
+# calls, and later releases call the stage hook `unlooped_workers` sets with no arguments). Elsewhere its configs run
+# the Triton-language kernels.
+GLUON_TRITON_RELEASES = ("3.6",)
+
+
+def gluon_release(triton_version: str) -> bool:
+    """Whether a Triton of version `triton_version` (``"3.6.0"``) is a release the Gluon kernel was built for."""
+    return ".".join(triton_version.split(".")[:2]) in GLUON_TRITON_RELEASES
+
+
+@functools.cache
+def _gluon_available() -> bool:
+    """Whether this Triton is a release the Gluon kernel was built for and has the Gluon ops it imports (elsewhere
+    a warning, once)."""
+    if not gluon_release(triton.__version__):
+        logger.warning("moe-dispatch: the Gluon expert kernel was built for Triton %s, this is Triton %s; 4-bit "
+                       "experts run the Triton-language grouped kernels instead (slower at many tokens, exact)",
+                       " / ".join(GLUON_TRITON_RELEASES), triton.__version__)
+        return False
+    try:
+        importlib.import_module(".wgmma", __package__)
+    except ImportError:
+        return False
+    return True
+
+
+def grouped_wgmma_supported(x: torch.Tensor, w_gate_up, w_down) -> bool:
+    """Whether the Gluon grouped kernel (`wgmma`) runs these experts: 4-bit int4 experts (not NF4), fp16 / bf16
+    activations on a Hopper GPU (wgmma is sm_90a only) with the Triton release it was built for, and rows of x
+    and of the intermediate that TMA can read (H and I multiples of 8)."""
+    if not (isinstance(w_gate_up, QuantizedExperts) and isinstance(w_down, QuantizedExperts)):
+        return False
+    if w_gate_up.codebook is not None or w_down.codebook is not None:
+        return False
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.shape[1] % 8 or w_down.shape[1] % 8:
+        return False
+    if _interpreting() or x.device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(x.device) == (9, 0) and _gluon_available()
+
+
+def _grouped_wgmma(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExperts,
+                   topk_weights: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+                   inter: torch.Tensor, pair_out: torch.Tensor, top_k: int, block_m: int, plan: dict) -> None:
+    """The grouped gate / up and down GEMMs of 4-bit experts as `wgmma._grouped_wgmma_kernel` launches (after
+    the activations gathered into sorted order): `inter` [rows, I] gets SiLU(gate) * up of each sorted row,
+    `pair_out` [P, H] each pair's weighted output. plan: {"num_stages": ring stages (default 3)}."""
+    # imported here: Triton builds without Gluon's Hopper ops never reach this launcher (`grouped_wgmma_supported`)
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from .warp_specialize import unlooped_workers
+    from .wgmma import _grouped_wgmma_kernel
+
+    stages = plan.get("num_stages", 3)
+    if block_m not in (64, 128) or not isinstance(stages, int) or not 2 <= stages <= 4:
+        raise ValueError(f"config: WGMMA needs BLOCK_M 64 or 128 and num_stages 2-4; got BLOCK_M {block_m}, {plan}")
+    rows, hidden = sorted_ids.shape[0], x.shape[1]
+    max_blocks = block_expert.shape[0]
+    num_pairs = topk_weights.numel()
+    dtype = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
+    x_sorted = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    _gather_rows_kernel[(max_blocks, triton.cdiv(hidden, 64))](
+        x, x_sorted, sorted_ids, block_expert, num_pairs, hidden, x.stride(0), x_sorted.stride(0),
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_H=64, num_warps=4,
+    )
+
+    def rows_desc(t, box):  # a [rows, cols] activation tensor in [block_m, box] boxes
+        return GluonDescriptor(t, list(t.shape), [t.stride(0), 1], [block_m, box],
+                               gl.NVMMASharedLayout.get_default_for([block_m, box], dtype))
+
+    sms = _sm_count(x.device)
+    for w, a, swiglu in ((w_gate_up, x_sorted, True), (w_down, inter, False)):
+        q = w.qweight
+        if not q.is_contiguous():  # the descriptor spans the experts as one row range
+            raise ValueError("WGMMA: a QuantizedExperts' qweight must be contiguous (QuantizedExperts makes it so)")
+        experts_, padded, words = q.shape
+        w_desc = GluonDescriptor(q.view(experts_ * padded, words), [experts_ * padded, words], [words, 1], [128, 16],
+                                 gl.NVMMASharedLayout.get_default_for([128, 16], gl.int32))
+        n_out = w.shape[0] // 2 if swiglu else w.shape[0]
+        columns = triton.cdiv(n_out, 128 if swiglu else 256)
+        s = w.scales
+        with unlooped_workers(_grouped_wgmma_kernel.__name__):
+            _grouped_wgmma_kernel[(min(max_blocks * columns, sms),)](
+                rows_desc(a, 128), w_desc, s, _or(w.zeros, s), _or(w.mins, s), block_expert, sorted_ids,
+                topk_weights, pair_out, rows_desc(inter, 64) if swiglu else w_desc, max_blocks, columns,
+                words // 16, padded, n_out if swiglu else 128, s.stride(0), s.stride(1), n_out, num_pairs,
+                pair_out.stride(0), GROUP=128 if w.group_size == -1 else w.group_size,
+                PER_CHANNEL=w.group_size == -1, HAS_ZERO=w.zeros is not None, HAS_MIN=w.mins is not None,
+                SWIGLU=swiglu, STAGES=stages, num_warps=4,
+            )
+
+
+def _or(t, fallback):
+    return fallback if t is None else t
+
+
 def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
             topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, *,
             shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
@@ -334,8 +437,14 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
     num_experts = num_routed + int(has_shared)
     if T == 0:
         return out
+    if (config is not None and "WGMMA" in config
+            and not (T > DECODE_MAX_TOKENS and grouped_wgmma_supported(hidden_states, w_gate_up, w_down))):
+        config = None  # a plan of the Gluon kernel where it does not apply: the default path, same results
     if config is None:
-        if quant and T * top_k >= DEQUANT_MIN_PAIRS * num_routed:  # then the bf16 kernels, with their tables
+        if (quant and T > DECODE_MAX_TOKENS and T * top_k >= WGMMA_MIN_PAIRS * num_routed
+                and grouped_wgmma_supported(hidden_states, w_gate_up, w_down)):
+            config = WGMMA_PLAN
+        elif quant and T * top_k >= DEQUANT_MIN_PAIRS * num_routed:  # then the bf16 kernels, with their tables
             config = {"DEQUANT": True, **get_config(T, num_routed, H, intermediate, top_k, hidden_states.dtype,
                                                     hidden_states.device)}
         elif quant:  # the tuned tables were measured with 16-bit weights: 4-bit experts take the heuristic
@@ -343,11 +452,15 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                                     packed=packed_gemv(w_down, hidden_states.dtype))
         else:
             config = get_config(T, num_routed, H, intermediate, top_k, hidden_states.dtype, hidden_states.device)
+    wgmma = "WGMMA" in config
     dequant = quant and bool(config.get("DEQUANT", False))
-    if dequant and "BLOCK_M" not in config:
-        raise ValueError("config: DEQUANT runs the grouped kernels, so it needs their BLOCK_M")
-    config = _for_weights(config, quant) if quant and not dequant else _for_dtype(config, hidden_states.dtype)
-    up, down = config["gate_up"], config["down"]
+    if (dequant or wgmma) and "BLOCK_M" not in config:
+        raise ValueError("config: DEQUANT and WGMMA run grouped kernels, so they need a BLOCK_M")
+    if wgmma:  # its own plan (`_grouped_wgmma`)
+        up = down = None
+    else:
+        config = _for_weights(config, quant) if quant and not dequant else _for_dtype(config, hidden_states.dtype)
+        up, down = config["gate_up"], config["down"]
     common = dict(HAS_SHARED=has_shared, PRECISION=_precision(hidden_states.dtype),
                   UPCAST=_upcast_dots(hidden_states.dtype))
     shared_gu = shared_gate_up if has_shared else _words(w_gate_up)
@@ -429,7 +542,10 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                     **_dot_flags(down, dn_format, hidden_states.dtype),
                 )
 
-            if dequant:
+            if wgmma:
+                _grouped_wgmma(hidden_states, w_gate_up, w_down, topk_weights, sorted_ids, block_expert, inter,
+                               pair_out, top_k, block_m, config["WGMMA"])
+            elif dequant:
                 parts = [(w_gate_up, intermediate, up["BLOCK_N"], True), (w_down, H, down["BLOCK_N"], False)]
                 side = _side_stream(device) if DEQUANT_OVERLAP and device.type == "cuda" else None
                 for part, col_lo, cols, w16 in _dequantized_columns(parts, hidden_states.dtype, side):

@@ -1,10 +1,13 @@
 """An edit of the PTX Triton 3.6 makes for warp-specialized kernels, applied at compile time to one kernel.
 
+w4a16 and moe-dispatch each carry this file (standalone Hub packages import nothing of each other); the copies are
+the same bytes, which tests/test_moe_dispatch_quantized.py checks.
+
 Triton 3.6 lowers `gl.warp_specialize` to a loop in which the worker warps wait for a partition index and jump to
 their code through a table, then wait again. Inside that loop ptxas gives a worker's code only the kernel's launch
 register budget and serializes every wgmma of the function (C7512 / C7515), so a dequantizing warpgroup in a
-worker partition made `wgmma._wgmma_kernel` slower, not faster (docs/design/w4a16.md E39, E40). A kernel that
-specializes once (the second index a worker waits for is always "exit") runs the same program with the loop
+worker partition made w4a16's `wgmma._wgmma_kernel` slower, not faster (docs/design/w4a16.md E39, E40). A kernel
+that specializes once (the second index a worker waits for is always "exit") runs the same program with the loop
 opened: each branch back to the loop's header goes to the exit instead.
 """
 
@@ -47,7 +50,7 @@ def _unlooped_ptx(ptx: str, kernel: str) -> str:
         return ptx
     edited = unloop_worker_dispatch(ptx)
     if edited is ptx:
-        warnings.warn(f"w4a16: this Triton's warp-specialized PTX of {kernel} is not the shape "
+        warnings.warn(f"this Triton's warp-specialized PTX of {kernel} is not the shape "
                       "unloop_worker_dispatch knows (Triton 3.6's); its worker partitions' wgmma run serialized "
                       "(slower, still exact)", stacklevel=2)
     return edited
