@@ -242,8 +242,10 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, split)
     splits = triton.cdiv(num_tiles, per_split)
-    # plan "scales_tma" (E54): one scale group a K-tile (g >= 128, per channel) comes through the ring with the words
-    scales_tma = bool(plan.get("scales_tma", False)) and (group_size == -1 or group_size >= 128)
+    # plan "scales_tma" (E54, on unless the plan says False): one scale group a K-tile (g >= 128, per channel) comes
+    # through the ring with the words; 1.005-1.054x over the consumers' own loads on every shape, format and dtype
+    # measured (H100, docs/design/w4a16.md runs 147-148)
+    scales_tma = bool(plan.get("scales_tma", True)) and (group_size == -1 or group_size >= 128)
     group_row = sum(p.element_size() for p in (scales, zeros, mins) if p is not None) * block_n if scales_tma else 0
     # the output by TMA stores where TMA can write it and its buffers (per 64-row chain 64 columns of x's dtype or
     # 32 of fp32) fit beside the ring: 1.02-1.07x over pointer stores after a layout conversion, the stores of one
