@@ -15,6 +15,8 @@ truncations of 2^-7 relative reach ~2.4e-2 only when all line up), fp16 5e-3 (fi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -153,6 +155,14 @@ def test_format_matches_w4a16(k, w4a16, monkeypatch, name, fmt, zero_point, grou
                 assert torch.equal(qe.codebook, ref.codebook)
             assert torch.equal(ours[e], w4a16.dequantize(ref, torch.float32))
         assert torch.equal(k.dequantize(qe), ours.to(torch.bfloat16))
+
+
+def test_warp_specialize_is_w4a16s(k, w4a16):
+    """The PTX edit moe-dispatch's Gluon kernel compiles under (`triton_kernels.warp_specialize`) is w4a16's
+    module byte for byte, as built: each standalone package carries it, and one may not drift from the other."""
+    ours = Path(k.ops.triton_kernels.__file__).with_name("warp_specialize.py")
+    theirs = Path(w4a16.triton_kernels.__file__).with_name("warp_specialize.py")
+    assert ours.read_bytes() == theirs.read_bytes()
 
 
 def test_pack_unpack_roundtrip(k):
@@ -375,6 +385,47 @@ def test_dequantize_kernel_matches_dequantize(k, monkeypatch):
             assert torch.equal(gu[:, width:], gate_up[:, I + lo:I + lo + width]), name
             spans.append((lo, width))
         assert spans == [(lo, min(8, I - lo)) for lo in range(0, I, 8)], name
+
+
+def test_gather_rows_kernel(k, monkeypatch):
+    """The Gluon path's activations in sorted order: a used block's rows are its pairs' token rows, zero at
+    padding; an unused block's rows are left as they were (no kernel reads them). H = 100: a partial column block."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launch = k.ops.triton_kernels.launch
+    T, H, top_k, block_m = 7, 100, 2, 16
+    num_pairs = T * top_k
+    x = torch.randn(T, H, dtype=torch.float16)
+    pairs = torch.randperm(num_pairs, dtype=torch.int32)
+    sorted_ids = torch.full((3 * block_m,), num_pairs, dtype=torch.int32)
+    sorted_ids[:9], sorted_ids[2 * block_m:2 * block_m + 5] = pairs[:9], pairs[9:]
+    sorted_ids[block_m:2 * block_m] = 10**6  # an unused block's ids are never read
+    block_expert = torch.tensor([0, -1, 3], dtype=torch.int32)
+    out = torch.full((3 * block_m, H), float("nan"), dtype=torch.float16)
+    launch._gather_rows_kernel[(3, 2)](x, out, sorted_ids, block_expert, num_pairs, H, x.stride(0), out.stride(0),
+                                       TOP_K=top_k, BLOCK_M=block_m, BLOCK_H=64)
+    for row, pair in enumerate(sorted_ids.tolist()):
+        if block_m <= row < 2 * block_m:
+            assert out[row].isnan().all(), row
+        elif pair < num_pairs:
+            assert torch.equal(out[row], x[pair // top_k]), row
+        else:
+            assert torch.equal(out[row], torch.zeros(H, dtype=torch.float16)), row
+
+
+def test_wgmma_plan_elsewhere_runs_the_default_path(k, monkeypatch):
+    """A config naming the Gluon grouped kernel (WGMMA) where it does not apply (here: no GPU; likewise NF4 or
+    another Triton) runs what `experts` runs without a config, with the same result."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tk = k.ops.triton_kernels
+    E, H, I, T, top_k = 4, 128, 128, 40, 2
+    q_gate_up, q_down = quantized_experts(k, E, H, I, "int4", True, 128, torch.bfloat16)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    assert not tk.launch.grouped_wgmma_supported(x, q_gate_up, q_down)
+    weights, ids = routing("balanced", T, E, top_k)
+    default = tk.experts(x, q_gate_up, q_down, weights, ids, torch.full((T, H), float("nan"), dtype=x.dtype))
+    planned = tk.experts(x, q_gate_up, q_down, weights, ids, torch.full((T, H), float("nan"), dtype=x.dtype),
+                         config=tk.launch.WGMMA_PLAN)
+    assert torch.equal(planned, default)
 
 
 def test_packed_gemv_cut(k):

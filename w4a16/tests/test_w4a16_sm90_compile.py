@@ -5,15 +5,13 @@ The interpreter cannot run Gluon, so without this a device run is the first to c
 refusal at compile time (`wgmma._stage_bytes` refuses format flags that reached it as tensors: that mistake made
 every launch wait for bytes that never arrive, docs/design/w4a16.md run 141) or a spill fails here. It needs the
 Triton release the kernels were built for (`tuning.GLUON_TRITON_RELEASES`; elsewhere they never run): this
-Python's, or that of the Python `W4A16_COMPILE_PYTHON` names."""
+Python's, or that of the Python `GLUON_COMPILE_PYTHON` names (`hubtools.sm90_compile`)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from hubtools.sm90_compile import COMPILE_PYTHON_ENV, compiler_python, run_cases
 
 TILE = {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2}
 CASES = {
@@ -34,33 +32,15 @@ def k(load_kernel):
     return load_kernel("w4a16")
 
 
-def _compiler_python(is_release) -> str | None:
-    """A Python whose Triton `is_release` accepts (`tuning.gluon_release`): this one, or the one
-    `W4A16_COMPILE_PYTHON` names (a venv with ``torch`` and ``triton==3.6.*``, for machines whose own Triton is
-    newer, as CI's interpreter extra is)."""
-    candidates = [sys.executable] + ([os.environ["W4A16_COMPILE_PYTHON"]] if "W4A16_COMPILE_PYTHON" in os.environ
-                                     else [])
-    for python in candidates:
-        version = subprocess.run([python, "-c", "import triton; print(triton.__version__)"], capture_output=True,
-                                 text=True).stdout.strip()
-        if version and is_release(version):
-            return python
-    return None
-
-
 @pytest.fixture(scope="module")
 def compiled(k, built_kernel_dir):
     """Each case's line from `sm90_compile.py`, run once for all of them in a process without the interpreter."""
-    python = _compiler_python(k.tuning.gluon_release)
+    python = compiler_python(k.tuning.gluon_release)
     if python is None:
         pytest.skip(f"no Triton {' / '.join(k.tuning.GLUON_TRITON_RELEASES)} (the Gluon kernels' release) here: "
-                    "set W4A16_COMPILE_PYTHON to a Python that has it")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("sm90_compile.py")
-    done = subprocess.run([python, str(script), str(built_kernel_dir("w4a16")), json.dumps(list(CASES.values()))],
-                          env=env, capture_output=True, text=True, timeout=900)
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == len(CASES), done.stderr[-3000:]
+                    f"set {COMPILE_PYTHON_ENV} to a Python that has it")
+    lines = run_cases(python, Path(__file__).with_name("sm90_compile.py"), built_kernel_dir("w4a16"),
+                      list(CASES.values()))
     return dict(zip(CASES, lines))
 
 

@@ -1,0 +1,45 @@
+"""moe-dispatch's sm_90a compile cases (`hubtools.sm90_compile`): `python moe_dispatch_sm90_compile.py BUILD CASES`,
+CASES a JSON list of ``[fmt, group_size, dtype, block_m, num_stages]`` (fmt: ``"int4"``, ``"zp"`` or ``"mins"``;
+dtype: ``"float16"`` or ``"bfloat16"``), each run through the grouped Gluon launcher (`launch._grouped_wgmma`:
+the row gather, then the gate / up and the down kernel) on Qwen3-30B-A3B's expert shapes. Run by
+`test_moe_dispatch_sm90_compile.py`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from hubtools.sm90_compile import import_build, report, start
+
+E, H, I, TOP_K, T = 8, 2048, 768, 2, 512
+
+
+def _experts(quantized, fmt: str, group_size: int, n: int, k: int):
+    """4-bit experts of a format's shapes (values do not matter: nothing runs)."""
+    groups = 1 if group_size == -1 else k // group_size
+    return quantized.QuantizedExperts(
+        qweight=torch.zeros(E, n, k // 8, dtype=torch.int32), scales=torch.ones(E, groups, n, dtype=torch.float16),
+        zeros=torch.zeros(E, groups, n, dtype=torch.uint8) if fmt == "zp" else None,
+        mins=torch.zeros(E, groups, n, dtype=torch.float16) if fmt == "mins" else None,
+        group_size=group_size, shape=(n, k))
+
+
+def main(build: str, cases: str) -> None:
+    compiled = start()
+    package = import_build(build, "moe_dispatch")
+    launch = package.triton_kernels.launch
+    for fmt, group_size, dtype, block_m, stages in json.loads(cases):
+        w_gate_up = _experts(package.quantized, fmt, group_size, 2 * I, H)
+        w_down = _experts(package.quantized, fmt, group_size, H, I)
+        x = torch.randn(T, H, dtype=getattr(torch, dtype))
+        blocks = T * TOP_K // block_m + E
+        report(compiled, lambda: launch._grouped_wgmma(
+            x, w_gate_up, w_down, torch.rand(T, TOP_K), torch.zeros(blocks * block_m, dtype=torch.int32),
+            torch.zeros(blocks, dtype=torch.int32), torch.empty(blocks * block_m, I, dtype=x.dtype),
+            torch.empty(T * TOP_K, H, dtype=x.dtype), TOP_K, block_m, {"num_stages": stages}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
