@@ -301,7 +301,8 @@ def dot_4bit(tk, k, names, tokens, candidates, progress=None, compile_only=False
     (these kernels as they were before them), what `experts` runs by default (the packed GEMVs where they
     apply), above the decode cut the bf16 grouped kernels on experts dequantized first, and every candidate of
     `candidates` that fits T (`_fits`), each a whole config (both kernels), `experts` only, checked against the
-    per-expert loop first. `compile_only`: the calls alone (to fill Triton's cache from several processes before a
+    per-expert loop first; above the decode cut also the Gluon grouped kernel's plans of `candidates` (WGMMA_4BIT,
+    Hopper: elsewhere such a config runs the default path). `compile_only`: the calls alone (to fill Triton's cache from several processes before a
     timing run)."""
     warm_clocks()
     results = []

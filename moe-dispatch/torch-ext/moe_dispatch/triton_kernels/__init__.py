@@ -24,7 +24,10 @@ else `_gate_up_gemv_kernel` / `_down_gemv_kernel` (fp32, T <= GEMV_MAX_TOKENS); 
 leaves fp32 partial sums that the combine adds. From DEQUANT_MIN_PAIRS (token, slot) pairs per expert the
 experts are instead dequantized once (`_dequantize_kernel`, chunks of columns of every expert into a reused
 16-bit buffer) and the grouped kernels run as for 16-bit experts, one launch per chunk over that chunk's
-columns. No shared expert rides along with 4-bit experts (the op adds a dense one after).
+columns. On Hopper with the Triton release it was built for, int4 experts from WGMMA_MIN_PAIRS pairs per expert
+run neither: `_gather_rows_kernel` (the token rows in sorted order, for TMA), then the Gluon kernel
+`wgmma._grouped_wgmma_kernel` twice (gate / up with its SwiGLU epilogue, then down with the weighted scatter;
+dequantization overlapped with asynchronous wgmma). No shared expert rides along with 4-bit experts (the op adds a dense one after).
 
 Buffers are sized by upper bounds known from shapes: the padded pair count is at most
 (T*k // BLOCK_M + min(E, T*k)) * BLOCK_M <= T*k + E*(BLOCK_M-1). A shared expert of the routed experts'
