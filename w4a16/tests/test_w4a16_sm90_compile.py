@@ -3,7 +3,8 @@ weight format, each opt-in plan key, a split launch, and the mma GEMV with and w
 
 The interpreter cannot run Gluon, so without this a device run is the first to compile them. A compile error, a
 refusal at compile time (`wgmma._stage_bytes` refuses format flags that reached it as tensors: that mistake made
-every launch wait for bytes that never arrive, docs/design/w4a16.md run 141) or a spill fails here. It needs the
+every launch wait for bytes that never arrive, docs/design/w4a16.md run 141), a spill or a serialized wgmma
+pipeline (without `warp_specialize`'s PTX edit: a wait for all wgmma after each) fails here. It needs the
 Triton release the kernels were built for (`tuning.GLUON_TRITON_RELEASES`; elsewhere they never run): this
 Python's, or that of the Python `GLUON_COMPILE_PYTHON` names (`hubtools.sm90_compile`)."""
 
@@ -52,3 +53,7 @@ def test_gluon_plans_compile_for_sm90_without_spills(compiled, case):
     ours = [c for c in result["compiled"] if c["kernel"] == kernel]
     assert ours, result
     assert all(c["stack"] == 0 for c in ours), ours
+    if kernel == "_wgmma_kernel":  # pipelined: a wait for all of a warpgroup's wgmma only at a block's end
+        plan = CASES[case][1]
+        consumers = plan.get("block_n", 128) // (64 * plan.get("chains", 2))
+        assert all(c["wgmma"] > 0 and c["wgmma_full_waits"] == consumers for c in ours), ours
