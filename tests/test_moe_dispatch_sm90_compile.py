@@ -54,3 +54,4 @@ def test_grouped_wgmma_compiles_for_sm90_without_spills(compiled, case):
     assert all(c["stack"] == 0 for c in result["compiled"]), result
     for kernel in result["compiled"][1:]:  # two warpgroups of 2 chains x 8 chunks; a full wait only after a block
         assert kernel["wgmma"] == 32 and kernel["wgmma_full_waits"] == 2, kernel
+        assert kernel["shared"] <= 232448, kernel  # what an H100 / H200 CTA can have
