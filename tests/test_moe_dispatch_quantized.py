@@ -157,11 +157,13 @@ def test_format_matches_w4a16(k, w4a16, monkeypatch, name, fmt, zero_point, grou
         assert torch.equal(k.dequantize(qe), ours.to(torch.bfloat16))
 
 
-def test_warp_specialize_is_w4a16s(k, w4a16):
-    """The PTX edit moe-dispatch's Gluon kernel compiles under (`triton_kernels.warp_specialize`) is w4a16's
-    module byte for byte, as built: each standalone package carries it, and one may not drift from the other."""
-    ours = Path(k.ops.triton_kernels.__file__).with_name("warp_specialize.py")
-    theirs = Path(w4a16.triton_kernels.__file__).with_name("warp_specialize.py")
+@pytest.mark.parametrize("module", ["warp_specialize.py", "wgmma_chunks.py"])
+def test_gluon_modules_are_w4a16s(k, w4a16, module):
+    """What moe-dispatch's Gluon kernel shares with w4a16's (the PTX edit it compiles under, the chains' int4
+    operand) is w4a16's module byte for byte, as built: each standalone package carries it, and one may not drift
+    from the other."""
+    ours = Path(k.ops.triton_kernels.__file__).with_name(module)
+    theirs = Path(w4a16.triton_kernels.__file__).with_name(module)
     assert ours.read_bytes() == theirs.read_bytes()
 
 

@@ -34,9 +34,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+from .wgmma_chunks import _chain_step, _group_params, _group_stored, _opaque_zeros
 
 # inflight MMAs a chain keeps running while the next chunk's operand is made (w4a16's shipped `inflight` 2)
 _INFLIGHT = gl.constexpr(2)
@@ -79,56 +80,12 @@ def _load_partition(ring, SWIGLU: gl.constexpr):
                 step += 1
 
 
-@gluon.constexpr_function
-def _pair_asm(j, is_fp16):
-    """PTX for nibble position `j` of two neighbouring words a, b (columns 16 j + c and 16 j + c + 1): their
-    bytes j // 2 side by side (PRMT), the nibble under an exponent ((p & 0x000f000f) | magic: 1024 + q in fp16,
-    128 + q in bf16), then ``(v - shift) * scale + addend`` on the pair: two operand values in one register."""
-    byte = j // 2
-    select = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
-    kind = "f16x2" if is_fp16 else "bf16x2"
-    magic = 0x64006400 if is_fp16 else 0x43004300
-    shift = "shr.u32 p, p, 4;" if j % 2 else ""
-    return (f"{{ .reg .b32 p; prmt.b32 p, $1, $2, {select:#x}; {shift} "
-            f"lop3.b32 p, p, 0x000f000f, {magic:#x}, 0xea; sub.{kind} p, p, $3; fma.rn.{kind} $0, p, $4, $5; }}")
-
-
 @gluon.jit
-def _group_params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
-                  dtype: gl.constexpr):
-    """(scale, shift, addend) of group g for `rows`, where ``(v - shift) * scale + addend`` is the weight of
-    v = magic + code (`_pair_asm`)."""
-    magic_value: gl.constexpr = 1024.0 if dtype == gl.float16 else 128.0
-    scale = gl.load(s_ptr + g * s_stride + rows).to(dtype)
-    if HAS_ZERO:
-        shift = gl.load(z_ptr + g * s_stride + rows).to(dtype) + magic_value
-    else:
-        shift = gl.zeros_like(scale) + (magic_value + (0.0 if HAS_MIN else 8.0))
-    if HAS_MIN:
-        addend = gl.load(m_ptr + g * s_stride + rows).to(dtype)
-    else:
-        addend = gl.zeros_like(scale)
-    return scale, shift, addend
-
-
-@gluon.jit
-def _opaque_zeros(shape: gl.constexpr, layout: gl.constexpr):
-    """fp32 zeros ptxas sees as the result of an opaque move, not as a constant: a constant accumulator is copied
-    into the K loop's result registers on its zero-trip path, and in a worker partition Triton lays those copies out
-    between the last wgmma and its wait, which serializes every wgmma (C7515; w4a16 E40)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [gl.zeros(shape, gl.int32, layout=layout)],
-                                     gl.float32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _chain_step(words, j: gl.constexpr, params, acc, x_chunk):
-    """K-chunk j of one 64-row chain: nibble j of the words held in the operand's layout, dequantized in place
-    (two K columns a register), and its MMA issued (asynchronous)."""
-    scale, shift, addend = params
-    a = gl.inline_asm_elementwise(_pair_asm(j, scale.dtype == gl.float16), "=r,r,r,r,r,r",
-                                  [words, shift[:, None], scale[:, None], addend[:, None]],
-                                  scale.dtype, is_pure=True, pack=2)
-    return a, warpgroup_mma(a, x_chunk, acc, is_async=True)
+def _params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr,
+            dtype: gl.constexpr):
+    """(scale, shift, addend) of group g for `rows` (`wgmma_chunks._group_params` of int4)."""
+    return _group_params(_group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO, HAS_MIN), HAS_ZERO, HAS_MIN,
+                         False, dtype)
 
 
 @gluon.jit
@@ -218,8 +175,8 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
             for t in range(num_tiles):
                 if one_group:  # issued before the barrier waits, so its latency overlaps them
                     g = 0 if PER_CHANNEL else t * 128 // GROUP
-                    params0 = _group_params(s_e, z_e, m_e, g, s_stride_g, rows0, HAS_ZERO, HAS_MIN, dtype)
-                    params1 = _group_params(s_e, z_e, m_e, g, s_stride_g, rows1, HAS_ZERO, HAS_MIN, dtype)
+                    params0 = _params(s_e, z_e, m_e, g, s_stride_g, rows0, HAS_ZERO, HAS_MIN, dtype)
+                    params1 = _params(s_e, z_e, m_e, g, s_stride_g, rows1, HAS_ZERO, HAS_MIN, dtype)
                 s = step % stages
                 phase = (step // stages) & 1
                 mbarrier.wait(w_ready.index(s), phase)
@@ -230,8 +187,8 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
                 for j in gl.static_range(8):
                     if not one_group and (16 * j) % GROUP == 0:
                         g = (t * 128 + 16 * j) // GROUP
-                        params0 = _group_params(s_e, z_e, m_e, g, s_stride_g, rows0, HAS_ZERO, HAS_MIN, dtype)
-                        params1 = _group_params(s_e, z_e, m_e, g, s_stride_g, rows1, HAS_ZERO, HAS_MIN, dtype)
+                        params0 = _params(s_e, z_e, m_e, g, s_stride_g, rows0, HAS_ZERO, HAS_MIN, dtype)
+                        params1 = _params(s_e, z_e, m_e, g, s_stride_g, rows1, HAS_ZERO, HAS_MIN, dtype)
                     x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
                     a0, acc0 = _chain_step(words0, j, params0, acc0, x_chunk)
                     a1, acc1 = _chain_step(words1, j, params1, acc1, x_chunk)

@@ -12,9 +12,11 @@ offsets that scale with M, N or K are 64-bit.
 
 Modules: `gemv` (CUDA-core GEMV / split-K for a few tokens: the fp32 `_gemv_kernel` and the packed-fp16
 `_gemv_h2_kernel`), `dot` (tensor cores, dequantization in the K loop), `wgmma` (Hopper only, in Gluon: a TMA
-loader warp beside one or two warpgroups dequantizing into the register operand of asynchronous wgmma), `warp_specialize` (the
-edit of Triton 3.6's warp-specialized PTX that lets `wgmma`'s second warpgroup pipeline), `dequant` (the dequantize kernel),
-`common` (bit tricks and the split-K reduction they share), `launch` (grids, configs, the entry points below).
+loader warp beside one or two warpgroups dequantizing into the register operand of asynchronous wgmma; its
+chains' int4 operand in `wgmma_chunks`), `warp_specialize` (the edit of Triton 3.6's warp-specialized PTX that
+lets `wgmma`'s second warpgroup pipeline; it and `wgmma_chunks` are shared with moe-dispatch byte for byte),
+`dequant` (the dequantize kernel), `common` (bit tricks and the split-K reduction they share), `launch` (grids,
+configs, the entry points below).
 """
 
 from .launch import dequantize, matmul

@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .mma import _nf4_tables
 from .nf4 import nf4_lookup_asm
+from .wgmma_chunks import _chain_step, _group_params, _group_stored, _opaque_zeros
 
 
 @gluon.jit
@@ -105,20 +106,6 @@ def _load_partition(ring, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZE
             step += 1
 
 
-@gluon.constexpr_function
-def _pair_asm(j, is_fp16):
-    """PTX for nibble position `j` of two neighbouring words a, b (columns 16 j + c and 16 j + c + 1): their
-    bytes j // 2 side by side (PRMT), the nibble under an exponent ((p & 0x000f000f) | magic: 1024 + q in fp16,
-    128 + q in bf16), then ``(v - shift) * scale + addend`` on the pair: two operand values in one register."""
-    byte = j // 2
-    select = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
-    kind = "f16x2" if is_fp16 else "bf16x2"
-    magic = 0x64006400 if is_fp16 else 0x43004300
-    shift = "shr.u32 p, p, 4;" if j % 2 else ""
-    return (f"{{ .reg .b32 p; prmt.b32 p, $1, $2, {select:#x}; {shift} "
-            f"lop3.b32 p, p, 0x000f000f, {magic:#x}, 0xea; sub.{kind} p, p, $3; fma.rn.{kind} $0, p, $4, $5; }}")
-
-
 def _nf4_chunks_ptx(byte: int, half_scale: bool, is_fp16: bool) -> str:
     """PTX for NF4 chunks j = 2 byte and j + 1 of two neighbouring words a = $2, b = $3: their bytes `byte` side by
     side (PRMT) are the codes (a_j, a_j+1, b_j, b_j+1), looked up at once in the codebook's fp16 tables at $4, $6,
@@ -152,46 +139,6 @@ def _nf4_chunks_asm(j, half_scale, is_fp16):
 @gluon.constexpr_function
 def _nf4_chunks_constraints(half_scale):
     return ",".join(["=r"] * 2 + ["r"] * (2 + 16 + (1 if half_scale else 2)))
-
-
-@gluon.jit
-def _group_stored(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr):
-    """One group's stored scales, zero points and minima for `rows` as loaded from global memory (the scales stand
-    in for what the format lacks), for `_group_params` to convert."""
-    scale = gl.load(s_ptr + g * s_stride + rows)
-    if HAS_ZERO:
-        zero = gl.load(z_ptr + g * s_stride + rows)
-    else:
-        zero = scale
-    if HAS_MIN:
-        minimum = gl.load(m_ptr + g * s_stride + rows)
-    else:
-        minimum = scale
-    return scale, zero, minimum
-
-
-@gluon.jit
-def _group_params(stored, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr, dtype: gl.constexpr):
-    """NF4: the scales as `_nf4_chunks_asm` multiplies them (fp16 where x and the scales are, else fp32). int4:
-    (scale, shift, addend), where ``(v - shift) * scale + addend`` is the weight of v = magic + code
-    (`_pair_asm`)."""
-    scale, zero, minimum = stored
-    if NF4:
-        if not (dtype == gl.float16 and scale.dtype == gl.float16):
-            scale = scale.to(gl.float32)
-        return scale
-    else:
-        magic_value: gl.constexpr = 1024.0 if dtype == gl.float16 else 128.0
-        scale = scale.to(dtype)
-        if HAS_ZERO:
-            shift = zero.to(dtype) + magic_value
-        else:
-            shift = gl.zeros_like(scale) + (magic_value + (0.0 if HAS_MIN else 8.0))
-        if HAS_MIN:
-            addend = minimum.to(dtype)
-        else:
-            addend = gl.zeros_like(scale)
-        return scale, shift, addend
 
 
 @gluon.jit
@@ -295,27 +242,6 @@ def _store_tma_partial(acc, c_pair, out_desc, row, col):
     fence_async_shared()
     tma.async_copy_shared_to_global(out_desc, [row, col], c_pair.slice(0, BLOCK_M))
     tma.async_copy_shared_to_global(out_desc, [row, col + 32], c_pair.slice(BLOCK_M, BLOCK_M))
-
-
-@gluon.jit
-def _opaque_zeros(shape: gl.constexpr, layout: gl.constexpr):
-    """fp32 zeros ptxas sees as the result of an opaque move (inline asm, not pure), not as a constant: a constant
-    accumulator must be copied into the K loop's result registers on its zero-trip path, and in a worker partition
-    Triton lays those copies out between the last wgmma and its wait, which serializes every wgmma (C7515)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [gl.zeros(shape, gl.int32, layout=layout)],
-                                     gl.float32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _chain_step(words, j: gl.constexpr, params, acc, x_chunk):
-    """K-chunk j of one 64-row chain: nibble j of the words held in the operand's layout, dequantized in place
-    (neighbouring words are neighbouring K columns: two elements per PTX call, one register of two values), and
-    its MMA issued (asynchronous)."""
-    scale, shift, addend = params
-    a = gl.inline_asm_elementwise(_pair_asm(j, scale.dtype == gl.float16), "=r,r,r,r,r,r",
-                                  [words, shift[:, None], scale[:, None], addend[:, None]],
-                                  scale.dtype, is_pure=True, pack=2)
-    return a, warpgroup_mma(a, x_chunk, acc, is_async=True)
 
 
 @gluon.jit
