@@ -430,6 +430,30 @@ def test_wgmma_plan_elsewhere_runs_the_default_path(k, monkeypatch):
     assert torch.equal(planned, default)
 
 
+def test_wgmma_default_from_its_pair_count(k, monkeypatch):
+    """Where the Gluon grouped kernel applies, `experts` without a config runs it (WGMMA_PLAN) from WGMMA_MIN_PAIRS
+    (token, slot) pairs per expert, and the Triton-language kernels below; the kernel itself is stubbed here (no
+    GPU), so only the choice is checked."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launch = k.ops.triton_kernels.launch
+    calls = []
+
+    def stub(x, w_gate_up, w_down, topk_weights, sorted_ids, block_expert, inter, pair_out, top_k, block_m, plan):
+        calls.append((block_m, plan))
+        pair_out.zero_()
+
+    monkeypatch.setattr(launch, "grouped_wgmma_supported", lambda *args: True)
+    monkeypatch.setattr(launch, "_grouped_wgmma", stub)
+    E, H, I, top_k = 2, 128, 128, 2
+    q_gate_up, q_down = quantized_experts(k, E, H, I, "int4", False, 128, torch.bfloat16)
+    for T, expected in ((launch.WGMMA_MIN_PAIRS - 1, 0), (launch.WGMMA_MIN_PAIRS, 1)):
+        calls.clear()
+        x = torch.randn(T, H).to(torch.bfloat16)
+        weights, ids = routing("balanced", T, E, top_k)  # T pairs per expert: each token picks both experts
+        launch.experts(x, q_gate_up, q_down, weights, ids, torch.empty(T, H, dtype=x.dtype))
+        assert calls == [(launch.WGMMA_PLAN["BLOCK_M"], launch.WGMMA_PLAN["WGMMA"])] * expected, T
+
+
 def test_packed_gemv_cut(k):
     """The packed GEMVs take T <= 16 while (token, slot) pairs are at most 2.5 per expert (each pair streams its
     expert); past that the tl.dot decode kernels, which stream each picked expert once."""
