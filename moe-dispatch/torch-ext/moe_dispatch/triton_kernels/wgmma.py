@@ -53,7 +53,7 @@ def _block_at(block, schedule):
 
 
 @gluon.jit
-def _load_partition(ring, SWIGLU: gl.constexpr):
+def _load_partition(ring):
     """The ring's producer: per K-tile the two word boxes of the block's expert and the token tile's activations,
     by TMA. Unused token tiles are skipped, as the consumers skip them."""
     w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, block_expert_ptr, schedule, blocks, \
@@ -269,5 +269,5 @@ def _grouped_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, block_expert_ptr,
     gl.warp_specialize([
         (_consumer_partition, (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, SWIGLU, 0)),
         (_consumer_partition, (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, SWIGLU, 1)),
-        (_load_partition, (ring, SWIGLU)),
+        (_load_partition, (ring,)),
     ], [4, 1], [232, 24])
