@@ -222,12 +222,13 @@ def _pdl(plan: dict, device: torch.device) -> bool:
 
 def _pdl_device(device: torch.device) -> bool:
     """Whether kernels on `device` can launch as programmatic dependents (CUDA sm_90+, not the interpreter)."""
-    return device.type == "cuda" and not _interpreting() and _sm90_or_newer(device)
+    return device.type == "cuda" and not _interpreting() and _capability(device)[0] >= 9
 
 
 @functools.cache
-def _sm90_or_newer(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability, asked once per device (the launchers check it on every call)."""
+    return torch.cuda.get_device_capability(device)
 
 
 def _h2_flags(plan: dict, x_dtype: torch.dtype, k: int, per_split: int, fmt: dict, device: torch.device) -> dict:
@@ -357,7 +358,7 @@ def grouped_wgmma_supported(x: torch.Tensor, w_gate_up, w_down) -> bool:
         return False
     if _interpreting() or x.device.type != "cuda" or torch.version.hip is not None:
         return False
-    return torch.cuda.get_device_capability(x.device) == (9, 0) and _gluon_available()
+    return _capability(x.device) == (9, 0) and _gluon_available()
 
 
 def _grouped_wgmma(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExperts,
