@@ -391,7 +391,8 @@ def test_dequantize_kernel_matches_dequantize(k, monkeypatch):
 
 def test_gather_rows_kernel(k, monkeypatch):
     """The Gluon path's activations in sorted order: a used block's rows are its pairs' token rows, zero at
-    padding; an unused block's rows are left as they were (no kernel reads them). H = 100: a partial column block."""
+    padding; an unused block's rows are left as they were (no kernel reads them). H = 100: a partial column block.
+    And each placed pair's sorted row, for the combine."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launch = k.ops.triton_kernels.launch
     T, H, top_k, block_m = 7, 100, 2, 16
@@ -403,8 +404,10 @@ def test_gather_rows_kernel(k, monkeypatch):
     sorted_ids[block_m:2 * block_m] = 10**6  # an unused block's ids are never read
     block_expert = torch.tensor([0, -1, 3], dtype=torch.int32)
     out = torch.full((3 * block_m, H), float("nan"), dtype=torch.float16)
-    launch._gather_rows_kernel[(3, 2)](x, out, sorted_ids, block_expert, num_pairs, H, x.stride(0), out.stride(0),
-                                       TOP_K=top_k, BLOCK_M=block_m, BLOCK_H=64)
+    pair_rows = torch.full((num_pairs,), -1, dtype=torch.int32)
+    launch._gather_rows_kernel[(3, 2)](x, out, pair_rows, sorted_ids, block_expert, num_pairs, H, x.stride(0),
+                                       out.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_H=64)
+    assert torch.equal(sorted_ids[pair_rows.long()], torch.arange(num_pairs, dtype=torch.int32))
     for row, pair in enumerate(sorted_ids.tolist()):
         if block_m <= row < 2 * block_m:
             assert out[row].isnan().all(), row
