@@ -441,9 +441,10 @@ def test_wgmma_default_from_its_pair_count(k, monkeypatch):
     launch = k.ops.triton_kernels.launch
     calls = []
 
-    def stub(x, w_gate_up, w_down, topk_weights, sorted_ids, block_expert, inter, pair_out, top_k, block_m, plan):
+    def stub(x, w_gate_up, w_down, topk_weights, sorted_ids, block_expert, inter, top_k, block_m, plan):
         calls.append((block_m, plan))
-        pair_out.zero_()
+        return (torch.zeros(sorted_ids.shape[0], x.shape[1], dtype=x.dtype),
+                torch.zeros(topk_weights.numel(), dtype=torch.int32))
 
     monkeypatch.setattr(launch, "grouped_wgmma_supported", lambda *args: True)
     monkeypatch.setattr(launch, "_grouped_wgmma", stub)
