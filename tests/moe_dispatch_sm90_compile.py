@@ -37,8 +37,8 @@ def main(build: str, cases: str) -> None:
         blocks = T * TOP_K // block_m + E
         report(compiled, lambda: launch._grouped_wgmma(
             x, w_gate_up, w_down, torch.rand(T, TOP_K), torch.zeros(blocks * block_m, dtype=torch.int32),
-            torch.zeros(blocks, dtype=torch.int32), torch.empty(blocks * block_m, I, dtype=x.dtype),
-            torch.empty(T * TOP_K, H, dtype=x.dtype), TOP_K, block_m, {"num_stages": stages}))
+            torch.zeros(blocks, dtype=torch.int32), torch.empty(blocks * block_m, I, dtype=x.dtype), TOP_K, block_m,
+            {"num_stages": stages}))
 
 
 if __name__ == "__main__":

@@ -391,7 +391,8 @@ def test_dequantize_kernel_matches_dequantize(k, monkeypatch):
 
 def test_gather_rows_kernel(k, monkeypatch):
     """The Gluon path's activations in sorted order: a used block's rows are its pairs' token rows, zero at
-    padding; an unused block's rows are left as they were (no kernel reads them). H = 100: a partial column block."""
+    padding; an unused block's rows are left as they were (no kernel reads them). H = 100: a partial column block.
+    And each placed pair's sorted row, for the combine."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launch = k.ops.triton_kernels.launch
     T, H, top_k, block_m = 7, 100, 2, 16
@@ -403,8 +404,10 @@ def test_gather_rows_kernel(k, monkeypatch):
     sorted_ids[block_m:2 * block_m] = 10**6  # an unused block's ids are never read
     block_expert = torch.tensor([0, -1, 3], dtype=torch.int32)
     out = torch.full((3 * block_m, H), float("nan"), dtype=torch.float16)
-    launch._gather_rows_kernel[(3, 2)](x, out, sorted_ids, block_expert, num_pairs, H, x.stride(0), out.stride(0),
-                                       TOP_K=top_k, BLOCK_M=block_m, BLOCK_H=64)
+    pair_rows = torch.full((num_pairs,), -1, dtype=torch.int32)
+    launch._gather_rows_kernel[(3, 2)](x, out, pair_rows, sorted_ids, block_expert, num_pairs, H, x.stride(0),
+                                       out.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_H=64)
+    assert torch.equal(sorted_ids[pair_rows.long()], torch.arange(num_pairs, dtype=torch.int32))
     for row, pair in enumerate(sorted_ids.tolist()):
         if block_m <= row < 2 * block_m:
             assert out[row].isnan().all(), row
@@ -438,9 +441,10 @@ def test_wgmma_default_from_its_pair_count(k, monkeypatch):
     launch = k.ops.triton_kernels.launch
     calls = []
 
-    def stub(x, w_gate_up, w_down, topk_weights, sorted_ids, block_expert, inter, pair_out, top_k, block_m, plan):
+    def stub(x, w_gate_up, w_down, topk_weights, sorted_ids, block_expert, inter, top_k, block_m, plan):
         calls.append((block_m, plan))
-        pair_out.zero_()
+        return (torch.zeros(sorted_ids.shape[0], x.shape[1], dtype=x.dtype),
+                torch.zeros(topk_weights.numel(), dtype=torch.int32))
 
     monkeypatch.setattr(launch, "grouped_wgmma_supported", lambda *args: True)
     monkeypatch.setattr(launch, "_grouped_wgmma", stub)

@@ -20,7 +20,7 @@ CASES = {  # [fmt, group_size, dtype, BLOCK_M, num_stages]
     "zp-channel-bf16": ["zp", -1, "bfloat16", 128, 3],
     "int4-g128-fp16-m64-s4": ["int4", 128, "float16", 64, 4],
     "zp-g128-bf16-s2": ["zp", 128, "bfloat16", 128, 2],
-    "int4-g128-bf16-s4": ["int4", 128, "bfloat16", 128, 4],
+    "int4-g128-bf16-s4": ["int4", 128, "bfloat16", 128, 4],  # the down GEMM: 3 stages beside its output tiles
 }
 
 

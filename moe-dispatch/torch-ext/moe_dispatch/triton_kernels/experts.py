@@ -113,11 +113,12 @@ def _down_grouped_kernel(
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _gather_rows_kernel(x_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, H, stride_xt, stride_ot,
-                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gather_rows_kernel(x_ptr, out_ptr, pair_rows_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, H, stride_xt,
+                        stride_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[r] = x[token of sorted pair r] for the rows of used token blocks, zero at padding: the activations of
-    the grouped gate / up GEMM in sorted order, for kernels that read them by TMA (`wgmma`), which cannot gather.
-    Grid (token blocks, column blocks)."""
+    the grouped gate / up GEMM in sorted order, for kernels that read them by TMA (`wgmma`), which cannot gather;
+    and pair_rows[p] = the sorted row of pair p (written for pairs that picked an expert), for the combine of
+    outputs stored in sorted rows. Grid (token blocks, column blocks)."""
     block = tl.program_id(0)
     if tl.load(block_expert_ptr + block) < 0:  # an unused block: no kernel reads its rows
         return
@@ -125,6 +126,8 @@ def _gather_rows_kernel(x_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_pa
     pairs = tl.load(sorted_ids_ptr + rows)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
+    if tl.program_id(1) == 0:
+        tl.store(pair_rows_ptr + pairs, rows, mask=pairs < num_pairs)
     tokens = (pairs // TOP_K).to(tl.int64)
     values = tl.load(x_ptr + tokens[:, None] * stride_xt + cols[None, :],
                      mask=(pairs < num_pairs)[:, None] & col_ok[None, :], other=0.0)
@@ -151,11 +154,13 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, out_ptr, row_lo, N, K
 
 
 @triton.jit
-def _combine_kernel(pairs_ptr, ids_ptr, out_ptr, H, num_experts, stride_pt, stride_ot, stride_split,
-                    TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = sum over slots j, in slot order, of the weighted expert output of pair (t, j); SPLITS > 1: each
-    pair's output is that many partial sums (split-K down GEMV, `stride_split` apart), added in split order.
-    PDL: launched as a programmatic dependent of the down kernel (`_pdl_wait`)."""
+def _combine_kernel(pairs_ptr, ids_ptr, rows_ptr, out_ptr, H, num_experts, stride_pt, stride_ot, stride_split,
+                    TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+                    PDL: tl.constexpr):
+    """out[t] = sum over slots j, in slot order, of the weighted expert output of pair (t, j), at row t * TOP_K + j
+    of `pairs_ptr`, or with ROWS at row ``rows[t * TOP_K + j]`` (outputs in sorted rows); SPLITS > 1: each pair's
+    output is that many partial sums (split-K down GEMV, `stride_split` apart), added in split order. PDL: launched
+    as a programmatic dependent of the down kernel (`_pdl_wait`)."""
     _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -164,10 +169,13 @@ def _combine_kernel(pairs_ptr, ids_ptr, out_ptr, H, num_experts, stride_pt, stri
     for j in tl.static_range(TOP_K):
         e = tl.load(ids_ptr + t * TOP_K + j)
         picked = (e >= 0) & (e < num_experts)
+        if ROWS:  # an unpicked pair has no sorted row: its index is not read
+            r = tl.load(rows_ptr + t * TOP_K + j, mask=picked, other=0).to(tl.int64)
+        else:
+            r = t * TOP_K + j
         row = tl.zeros([BLOCK_H], dtype=tl.float32)
         for s in tl.static_range(SPLITS):
-            row += tl.load(pairs_ptr + s * stride_split + (t * TOP_K + j) * stride_pt + offs, mask=h_ok,
-                           other=0.0).to(tl.float32)
+            row += tl.load(pairs_ptr + s * stride_split + r * stride_pt + offs, mask=h_ok, other=0.0).to(tl.float32)
         acc += tl.where(picked, row, 0.0)  # rows of unpicked pairs were never written
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 

@@ -361,12 +361,17 @@ def grouped_wgmma_supported(x: torch.Tensor, w_gate_up, w_down) -> bool:
     return _capability(x.device) == (9, 0) and _gluon_available()
 
 
+# Hopper's shared memory a CTA may opt into (H100 / H200), of which the ring and the output tiles take their share
+_SM90_SHARED_BYTES = 232448 - 2048
+
+
 def _grouped_wgmma(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExperts,
                    topk_weights: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-                   inter: torch.Tensor, pair_out: torch.Tensor, top_k: int, block_m: int, plan: dict) -> None:
-    """The grouped gate / up and down GEMMs of 4-bit experts as `wgmma._grouped_wgmma_kernel` launches (after
-    the activations gathered into sorted order): `inter` [rows, I] gets SiLU(gate) * up of each sorted row,
-    `pair_out` [P, H] each pair's weighted output. plan: {"num_stages": ring stages (default 3)}."""
+                   inter: torch.Tensor, top_k: int, block_m: int, plan: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped gate / up and down GEMMs of 4-bit experts as `wgmma._grouped_wgmma_kernel` launches, after
+    the activations gathered into sorted order: `inter` [rows, I] gets SiLU(gate) * up of each sorted row. Returns
+    (each sorted row's weighted output [rows, H], each pair's sorted row [P]) for the combine. plan:
+    {"num_stages": ring stages (default 3; a GEMM whose output tiles leave room for fewer takes fewer)}."""
     # imported here: Triton builds without Gluon's Hopper ops never reach this launcher (`grouped_wgmma_supported`)
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
@@ -382,17 +387,20 @@ def _grouped_wgmma(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: Quantiz
     num_pairs = topk_weights.numel()
     dtype = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
     x_sorted = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    out_sorted = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    pair_rows = torch.empty(num_pairs, dtype=torch.int32, device=x.device)
     _gather_rows_kernel[(max_blocks, triton.cdiv(hidden, 64))](
-        x, x_sorted, sorted_ids, block_expert, num_pairs, hidden, x.stride(0), x_sorted.stride(0),
+        x, x_sorted, pair_rows, sorted_ids, block_expert, num_pairs, hidden, x.stride(0), x_sorted.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_H=64, num_warps=4,
     )
 
-    def rows_desc(t, box):  # a [rows, cols] activation tensor in [block_m, box] boxes
+    def rows_desc(t, box):  # a [rows, cols] tensor in the activations' dtype, in [block_m, box] boxes
         return GluonDescriptor(t, list(t.shape), [t.stride(0), 1], [block_m, box],
                                gl.NVMMASharedLayout.get_default_for([block_m, box], dtype))
 
     sms = _sm_count(x.device)
-    for w, a, swiglu in ((w_gate_up, x_sorted, True), (w_down, inter, False)):
+    stage_bytes = 2 * 128 * 16 * 4 + block_m * 128 * x.element_size()  # two word boxes and x's tile
+    for w, a, out, swiglu in ((w_gate_up, x_sorted, inter, True), (w_down, inter, out_sorted, False)):
         q = w.qweight
         if not q.is_contiguous():  # the descriptor spans the experts as one row range
             raise ValueError("WGMMA: a QuantizedExperts' qweight must be contiguous (QuantizedExperts makes it so)")
@@ -401,16 +409,18 @@ def _grouped_wgmma(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: Quantiz
                                  gl.NVMMASharedLayout.get_default_for([128, 16], gl.int32))
         n_out = w.shape[0] // 2 if swiglu else w.shape[0]
         columns = triton.cdiv(n_out, 128 if swiglu else 256)
+        tiles_bytes = (2 if swiglu else 4) * block_m * 64 * x.element_size()  # its output tiles (`wgmma`)
         s = w.scales
         with unlooped_workers(_grouped_wgmma_kernel.__name__):
             _grouped_wgmma_kernel[(min(max_blocks * columns, sms),)](
                 rows_desc(a, 128), w_desc, s, _or(w.zeros, s), _or(w.mins, s), block_expert, sorted_ids,
-                topk_weights, pair_out, rows_desc(inter, 64) if swiglu else w_desc, max_blocks, columns,
-                words // 16, padded, n_out if swiglu else 128, s.stride(0), s.stride(1), n_out, num_pairs,
-                pair_out.stride(0), GROUP=128 if w.group_size == -1 else w.group_size,
-                PER_CHANNEL=w.group_size == -1, HAS_ZERO=w.zeros is not None, HAS_MIN=w.mins is not None,
-                SWIGLU=swiglu, STAGES=stages, num_warps=4,
+                topk_weights, rows_desc(out, 64), max_blocks, columns, words // 16, padded,
+                n_out if swiglu else 128, s.stride(0), s.stride(1), num_pairs,
+                GROUP=128 if w.group_size == -1 else w.group_size, PER_CHANNEL=w.group_size == -1,
+                HAS_ZERO=w.zeros is not None, HAS_MIN=w.mins is not None, SWIGLU=swiglu,
+                STAGES=min(stages, (_SM90_SHARED_BYTES - tiles_bytes) // stage_bytes), num_warps=4,
             )
+    return out_sorted, pair_rows
 
 
 def _or(t, fallback):
@@ -472,7 +482,8 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
     device = hidden_states.device
     gemv = quant and config.get("GEMV", False)
     # the GEMVs size their own output (split-K partials); the other paths write one row per pair
-    pair_out = None if gemv else torch.empty(num_pairs, H, dtype=hidden_states.dtype, device=device)
+    pair_out = None if gemv or wgmma else torch.empty(num_pairs, H, dtype=hidden_states.dtype, device=device)
+    pair_rows = None  # each pair's row of pair_out where that is not the pair's index (`_grouped_wgmma`)
     with _device_guard(hidden_states):
         if gemv:
             pair_out = _gemvs(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, up, down)
@@ -544,8 +555,8 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                 )
 
             if wgmma:
-                _grouped_wgmma(hidden_states, w_gate_up, w_down, topk_weights, sorted_ids, block_expert, inter,
-                               pair_out, top_k, block_m, config["WGMMA"])
+                pair_out, pair_rows = _grouped_wgmma(hidden_states, w_gate_up, w_down, topk_weights, sorted_ids,
+                                                     block_expert, inter, top_k, block_m, config["WGMMA"])
             elif dequant:
                 parts = [(w_gate_up, intermediate, up["BLOCK_N"], True), (w_down, H, down["BLOCK_N"], False)]
                 side = _side_stream(device) if DEQUANT_OVERLAP and device.type == "cuda" else None
@@ -561,8 +572,9 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
         splits = pair_out.shape[0] if pair_out.dim() == 3 else 1
         pdl = gemv and _pdl(down, device)  # after a down GEMV that lets it
         _combine_kernel[(T, triton.cdiv(H, block_h))](
-            pair_out, topk_ids, out, H, num_experts, pair_out.stride(-2), out.stride(0), pair_out.stride(0),
-            TOP_K=top_k, SPLITS=splits, BLOCK_H=block_h, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            pair_out, topk_ids, topk_ids if pair_rows is None else pair_rows, out, H, num_experts,
+            pair_out.stride(-2), out.stride(0), pair_out.stride(0), TOP_K=top_k, SPLITS=splits, BLOCK_H=block_h,
+            ROWS=pair_rows is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out
 

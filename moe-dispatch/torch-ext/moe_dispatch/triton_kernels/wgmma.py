@@ -16,9 +16,10 @@ rings:
 Blocks are (token tile of the pairs sorted by expert, row tile) with token tiles fastest; programs are persistent,
 one an SM, and skip unused token tiles (expert -1). The gate / up GEMM's chains of a warpgroup are 64 gate rows
 and the same 64 up rows, so its epilogue is SiLU(gate) * up in fp32, stored by TMA into the intermediate's sorted
-rows; the down GEMM's output rows are scattered to their pairs, times the routing weight, as the Triton-language
-kernel does. The activations of the gate / up GEMM are the token rows in sorted order (`experts._gather_rows_kernel`:
-TMA cannot gather rows on Hopper); the down GEMM reads the intermediate as it is.
+rows. The down GEMM's output, times each row's routing weight, goes by TMA stores into sorted rows as well, which
+the combine reads through each pair's sorted row (E57; the stores leave the accumulator's layout as it is, w4a16
+E50). The activations of the gate / up GEMM are the token rows in sorted order (`experts._gather_rows_kernel`: TMA
+cannot gather rows on Hopper); the down GEMM reads the intermediate as it is.
 
 Formats: int4 with scale groups of 32, 64, multiples of 128 or per channel; integer zero points, symmetric or
 float minima; fp16 or bf16 activations. The operand is made in x's dtype (``(v - shift) * scale + addend`` on pairs
@@ -89,29 +90,18 @@ def _params(s_ptr, z_ptr, m_ptr, g, s_stride, rows, HAS_ZERO: gl.constexpr, HAS_
 
 
 @gluon.jit
-def _store_scatter(acc, sorted_ids_ptr, topk_w_ptr, out_ptr, off_m, col, n_out, num_pairs, out_stride,
-                   dtype: gl.constexpr):
-    """``out[pair, col + n] = acc[n, m] * weight[pair]`` for the pair of sorted row off_m + m (padding rows and
-    columns past n_out not written)."""
-    BLOCK_N: gl.constexpr = acc.type.shape[0]
-    BLOCK_M: gl.constexpr = acc.type.shape[1]
-    # 8 consecutive columns a thread, for 16-byte stores
-    out_layout: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, gl.num_warps()], [0, 1])
-    result = gl.convert_layout(acc, out_layout)
-    n_idx = col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
-    pairs = gl.load(sorted_ids_ptr + off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout)))
-    picked = pairs < num_pairs
-    weight = gl.load(topk_w_ptr + pairs, mask=picked, other=0.0).to(gl.float32)
-    offsets = pairs.to(gl.int64)[None, :] * out_stride + n_idx[:, None]
-    gl.store(out_ptr + offsets, (result * weight[None, :]).to(dtype),
-             mask=(n_idx[:, None] < n_out) & picked[None, :])
+def _row_weights(sorted_ids_ptr, topk_w_ptr, off_m, num_pairs, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """The routing weight of each sorted row off_m + m in fp32 (0 at padding), in `layout`."""
+    pairs = gl.load(sorted_ids_ptr + off_m + gl.arange(0, BLOCK_M, layout=layout))
+    return gl.load(topk_w_ptr + pairs, mask=pairs < num_pairs, other=0.0).to(gl.float32)
 
 
 @gluon.jit
-def _store_tma(act, c_buf, out_desc, off_m, col):
+def _store_tma(act, c_buf, out_desc, off_m, col, PENDING: gl.constexpr):
     """``out[off_m + m, col + n] = act[n, m]`` through shared memory by a TMA store left in flight, once this
-    warpgroup's previous store from the buffer has read it (no layout conversion: the accumulator's own layout)."""
-    tma.store_wait(0)
+    warpgroup's previous store from the buffer has read it: the PENDING stores it issued since, from buffers of
+    their own, may still run (no layout conversion: the accumulator's own layout)."""
+    tma.store_wait(PENDING)
     c_buf.permute((1, 0)).store(act.to(c_buf.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(out_desc, [off_m, col], c_buf)
@@ -124,11 +114,11 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
     chunks' asynchronous MMAs, then the epilogue. SWIGLU: chain 0 is gate rows ``64 CONSUMER..`` of the tile
     (first word box), chain 1 the same up rows (second box), and the output is SiLU(gate) * up at intermediate
     columns ``off_n + 64 CONSUMER``; else the chains are rows 0-63 and 64-127 of box CONSUMER, output columns
-    ``off_n + 128 CONSUMER`` on. The chains keep accumulators of their own: one operand of several MMA repetitions
-    made ptxas serialize every wgmma (w4a16 E12 / E13)."""
+    ``off_n + 128 CONSUMER`` on, weighted. The chains keep accumulators of their own: one operand of several MMA
+    repetitions made ptxas serialize every wgmma (w4a16 E12 / E13)."""
     (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, block_expert_ptr, sorted_ids_ptr,
-     topk_w_ptr, out_ptr, out_desc, c_bufs, schedule, blocks, num_tiles, rows_per_expert, second, s_stride_e,
-     s_stride_g, n_out, num_pairs, out_stride) = operands
+     topk_w_ptr, out_desc, c_bufs, schedule, blocks, num_tiles, rows_per_expert, second, s_stride_e, s_stride_g,
+     num_pairs) = operands
     stages: gl.constexpr = x_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = x_bufs.type.shape[1]
     dtype: gl.constexpr = x_bufs.dtype
@@ -211,21 +201,20 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
             mbarrier.arrive(x_empty.index((step + stages - 1) % stages), count=1, pred=num_tiles > 0)
             if SWIGLU:
                 _store_tma(acc0 / (1.0 + gl.exp(-acc0)) * acc1, c_bufs.index(CONSUMER), out_desc, off_m,
-                           off_n + 64 * CONSUMER)
-            else:
+                           off_n + 64 * CONSUMER, 0)
+            else:  # each chain from a buffer of its own: a chain waits only for its own last store
+                weight = _row_weights(sorted_ids_ptr, topk_w_ptr, off_m, num_pairs, BLOCK_M,
+                                      gl.SliceLayout(0, acc_layout))[None, :]
                 col = off_n + 128 * CONSUMER
-                _store_scatter(acc0, sorted_ids_ptr, topk_w_ptr, out_ptr, off_m, col, n_out, num_pairs,
-                               out_stride, dtype)
-                _store_scatter(acc1, sorted_ids_ptr, topk_w_ptr, out_ptr, off_m, col + 64, n_out, num_pairs,
-                               out_stride, dtype)
-    if SWIGLU:
-        tma.store_wait(0)
+                _store_tma(acc0 * weight, c_bufs.index(2 * CONSUMER), out_desc, off_m, col, 1)
+                _store_tma(acc1 * weight, c_bufs.index(2 * CONSUMER + 1), out_desc, off_m, col + 64, 1)
+    tma.store_wait(0)
 
 
 @gluon.jit
 def _grouped_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, block_expert_ptr, sorted_ids_ptr, topk_w_ptr,
-                          out_ptr, out_desc, max_blocks, columns, num_tiles, rows_per_expert, second, s_stride_e,
-                          s_stride_g, n_out, num_pairs, out_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr,
+                          out_desc, max_blocks, columns, num_tiles, rows_per_expert, second, s_stride_e, s_stride_g,
+                          num_pairs, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr,
                           HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, SWIGLU: gl.constexpr,
                           STAGES: gl.constexpr):
     """Blocks (token tile of `max_blocks`, output column tile of `columns`) from `program_id` on, a grid apart;
@@ -256,13 +245,11 @@ def _grouped_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, m_ptr, block_expert_ptr,
         mbarrier.init(w_empty.index(i), count=2)
         mbarrier.init(x_ready.index(i), count=1)
         mbarrier.init(x_empty.index(i), count=2)
-    if SWIGLU:  # per warpgroup a [BLOCK_M, 64] output tile (out_desc's block)
-        c_bufs = gl.allocate_shared_memory(dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-    else:
-        c_bufs = x_bufs
+    # per 64-row output chain a [BLOCK_M, 64] tile (out_desc's block): one a warpgroup with SWIGLU, else two
+    c_bufs = gl.allocate_shared_memory(dtype, [2 if SWIGLU else 4] + out_desc.block_type.shape, out_desc.layout)
     operands = (w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, s_ptr, z_ptr, m_ptr, block_expert_ptr,
-                sorted_ids_ptr, topk_w_ptr, out_ptr, out_desc, c_bufs, schedule, blocks, num_tiles, rows_per_expert,
-                second, s_stride_e, s_stride_g, n_out, num_pairs, out_stride)
+                sorted_ids_ptr, topk_w_ptr, out_desc, c_bufs, schedule, blocks, num_tiles, rows_per_expert, second,
+                s_stride_e, s_stride_g, num_pairs)
     ring = (w_desc, x_desc, w_bufs, x_bufs, w_ready, w_empty, x_ready, x_empty, block_expert_ptr, schedule, blocks,
             num_tiles, rows_per_expert, second)
     # the worker warpgroup's wgmma pipeline only in PTX edited by `warp_specialize.unlooped_workers` (the launcher's)
