@@ -5,8 +5,8 @@ experts for the grouped GEMMs at many tokens per expert."""
 import triton
 import triton.language as tl
 
-from .tiles import (_dequant_tile, _expert_weights, _matmul_tile, _matmul_tile_q, _pdl_wait, _quant_bases,
-                    _swiglu_tile, _swiglu_tile_q)
+from .tiles import (_dequant_tile, _expert_weights, _matmul_tile, _matmul_tile_q, _pdl_launch_dependents, _pdl_wait,
+                    _quant_bases, _swiglu_tile, _swiglu_tile_q)
 
 
 @triton.jit
@@ -212,9 +212,12 @@ def _gate_up_decode_kernel(
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
-    PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
+    PACKED: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
 ):
-    """QUANT: 4-bit experts, streamed once per selected expert and dequantized in registers (see the grouped kernel)."""
+    """QUANT: 4-bit experts, streamed once per selected expert and dequantized in registers (see the grouped kernel).
+    PDL: launched as a programmatic dependent of the routing, and lets the down kernel launch once its K loop is
+    done."""
+    _pdl_wait(PDL)
     e, first = _first_pick(ids_ptr, tl.program_id(0), T * TOP_K, num_experts, BLOCK_P)
     if first:
         t, match, hit, slot = _decode_rows(ids_ptr, e, T, TOP_K, BLOCK_T, K_POW2)
@@ -234,6 +237,7 @@ def _gate_up_decode_kernel(
             g_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None]
             act = _swiglu_tile(a_ptrs, t < T, g_ptrs, g_ptrs + I * stride_n, n_ok, H, PRECISION, UPCAST, BLOCK_T,
                                BLOCK_N, BLOCK_K, EVEN_K)
+        _pdl_launch_dependents(PDL)
         rows = (t * TOP_K + slot).to(tl.int64)
         tl.store(inter_ptr + rows[:, None] * stride_it + offs_n[None, :],
                  act.to(inter_ptr.dtype.element_ty), mask=hit[:, None] & n_ok[None, :])
@@ -248,9 +252,11 @@ def _down_decode_kernel(
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr, NF4: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, GROUP: tl.constexpr, SCALE_ON_ACC: tl.constexpr,
-    PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
+    PACKED: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Down projection of one selected expert for one column block, written weighted to each slot that picked it."""
+    """Down projection of one selected expert for one column block, written weighted to each slot that picked it.
+    PDL as in `_gate_up_decode_kernel` (the combine after it)."""
+    _pdl_wait(PDL)
     e, first = _first_pick(ids_ptr, tl.program_id(0), T * TOP_K, num_experts, BLOCK_P)
     if first:
         t, match, hit, slot = _decode_rows(ids_ptr, e, T, TOP_K, BLOCK_T, K_POW2)
@@ -269,6 +275,7 @@ def _down_decode_kernel(
                                                HAS_SHARED)
             acc = _matmul_tile(a_ptrs, hit, w_base + offs_n.to(tl.int64)[None, :] * stride_n + offs_k[:, None], n_ok, I,
                                PRECISION, UPCAST, BLOCK_T, BLOCK_N, BLOCK_K, EVEN_K)
+        _pdl_launch_dependents(PDL)
         kcols = tl.arange(0, K_POW2)
         topk_w = tl.load(topk_w_ptr + t[:, None] * TOP_K + kcols[None, :], mask=match, other=0.0).to(tl.float32)
         for j in tl.static_range(TOP_K):  # a token that names e in several slots: each slot its own weight

@@ -484,10 +484,15 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
     # the GEMVs size their own output (split-K partials); the other paths write one row per pair
     pair_out = None if gemv or wgmma else torch.empty(num_pairs, H, dtype=hidden_states.dtype, device=device)
     pair_rows = None  # each pair's row of pair_out where that is not the pair's index (`_grouped_wgmma`)
+    combine_pdl = False  # whether the combine launches as a dependent of the down kernel
     with _device_guard(hidden_states):
         if gemv:
             pair_out = _gemvs(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, up, down)
+            combine_pdl = _pdl(down, device)
         elif T <= DECODE_MAX_TOKENS and not dequant:
+            # dependent launches unless a plan says "PDL": False (their A/B)
+            up_pdl, down_pdl = (_pdl({"PDL": True, **plan}, device) for plan in (up, down))
+            combine_pdl = down_pdl
             common.update(TOP_K=top_k, BLOCK_T=16, BLOCK_P=triton.next_power_of_2(num_pairs),
                           K_POW2=triton.next_power_of_2(top_k))
             inter = torch.empty(num_pairs, intermediate, dtype=hidden_states.dtype, device=device)
@@ -496,16 +501,16 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                 T, H, intermediate, num_routed, num_experts,
                 hidden_states.stride(0), *gu_strides[:2], shared_gu.stride(-2), *gu_strides[2:], inter.stride(0),
                 BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=H % up["BLOCK_K"] == 0,
-                num_warps=up["num_warps"], num_stages=up["num_stages"], **common, **gu_format,
-                **_dot_flags(up, gu_format, hidden_states.dtype),
+                num_warps=up["num_warps"], num_stages=up["num_stages"], PDL=up_pdl, launch_pdl=up_pdl, **common,
+                **gu_format, **_dot_flags(up, gu_format, hidden_states.dtype),
             )
             _down_decode_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]))](
                 inter, _words(w_down), shared_dn, *dn_ptrs, pair_out, topk_ids, topk_weights,
                 T, H, intermediate, num_routed, num_experts,
                 inter.stride(0), *dn_strides[:2], shared_dn.stride(-2), *dn_strides[2:], pair_out.stride(0),
                 BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], EVEN_K=intermediate % down["BLOCK_K"] == 0,
-                num_warps=down["num_warps"], num_stages=down["num_stages"], **common, **dn_format,
-                **_dot_flags(down, dn_format, hidden_states.dtype),
+                num_warps=down["num_warps"], num_stages=down["num_stages"], PDL=down_pdl, launch_pdl=down_pdl,
+                **common, **dn_format, **_dot_flags(down, dn_format, hidden_states.dtype),
             )
         else:
             block_m = config["BLOCK_M"]
@@ -570,11 +575,10 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
                 down_proj(w_down, 0, H)
         block_h = min(1024, triton.next_power_of_2(H))
         splits = pair_out.shape[0] if pair_out.dim() == 3 else 1
-        pdl = gemv and _pdl(down, device)  # after a down GEMV that lets it
         _combine_kernel[(T, triton.cdiv(H, block_h))](
             pair_out, topk_ids, topk_ids if pair_rows is None else pair_rows, out, H, num_experts,
             pair_out.stride(-2), out.stride(0), pair_out.stride(0), TOP_K=top_k, SPLITS=splits, BLOCK_H=block_h,
-            ROWS=pair_rows is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            ROWS=pair_rows is not None, PDL=combine_pdl, num_warps=4, launch_pdl=combine_pdl,
         )
     return out
 
