@@ -318,12 +318,14 @@ def test_select_leaves_nf4_keys_to_nf4_weights(k, monkeypatch):
 
 def test_wgmma_split_fills_the_waves(k):
     """`wgmma_split` takes the split of the fewest tile steps: the tuned splits of the H100 table at their own M
-    (runs 115-122), and more splits where a token tile count leaves a second wave mostly empty."""
+    (runs 115-122) and of run 151's sweep, and more splits where a token tile count leaves a second wave mostly
+    empty."""
     split = k.tuning.wgmma_split
     assert [split(m, 8192, 28672, 128, 256, 132) for m in (256, 512, 640, 1024)] == [2, 1, 4, 1]  # 70B down
     assert [split(m, 4096, 14336, 128, 256, 132) for m in (256, 512, 1024)] == [4, 2, 1]  # 8B down
     assert [split(m, 57344, 8192, 128, 256, 132) for m in (64, 256, 4096)] == [1, 1, 1]  # 70B gate_up
     assert split(4096, 4096, 4096, 128, 256, 132) == 1
+    assert [split(m, 10240, 8192, 128, 256, 132) for m in (256, 512)] == [3, 2]  # 70B qkv (run 151: 3 the fastest)
 
 
 def test_wgmma_tail_split_splits_only_what_the_last_wave_leaves(k):

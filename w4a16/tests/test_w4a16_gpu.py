@@ -363,9 +363,9 @@ def test_wgmma_blocks_after_blocks_vs_float64(k, fmt, zero_point, group_size, dt
                     reason="wgmma is Hopper's (sm_90a)")
 @pytest.mark.parametrize("fmt,zero_point,group_size,dtype", [("int4", True, 128, torch.float16),
                                                              ("nf4", False, 64, torch.bfloat16)])
-@pytest.mark.parametrize("m,split", [(64, 4), (300, 2), (700, 1)])
+@pytest.mark.parametrize("m,split", [(64, 4), (300, 3), (512, 2), (700, 1)])
 def test_wgmma_auto_split_vs_float64(k, fmt, zero_point, group_size, dtype, m, split):
-    """``"split_k": "auto"`` where it is one launch: `tuning.wgmma_split`'s choice (here each of 1, 2 and 4) on
+    """``"split_k": "auto"`` where it is one launch: `tuning.wgmma_split`'s choice (here each of 1, 2, 3 and 4) on
     poisoned outputs against float64."""
     n, kk = 3000, 5120
     assert k.tuning.wgmma_split(m, 3072, kk, 128, 256, 132) == split
