@@ -458,6 +458,15 @@ def test_wgmma_default_from_its_pair_count(k, monkeypatch):
         assert calls == [(launch.WGMMA_PLAN["BLOCK_M"], launch.WGMMA_PLAN["WGMMA"])] * expected, T
 
 
+def test_wgmma_min_pairs_halves_on_long_k(k):
+    """The Gluon grouped kernel's default threshold halves where both GEMMs' K are long: DeepSeek-V3 (H 7168, I 2048)
+    and Mixtral-8x7B (4096, 14336) from 128 pairs per expert, Qwen3-30B-A3B (2048, 768) from 256."""
+    launch = k.ops.triton_kernels.launch
+    full = launch.WGMMA_MIN_PAIRS
+    assert [launch.wgmma_min_pairs(h, i) for h, i in ((7168, 2048), (4096, 14336), (2048, 768), (1920, 4096))] == [
+        full // 2, full // 2, full, full]
+
+
 def test_packed_gemv_cut(k):
     """The packed GEMVs take T <= 16 while (token, slot) pairs are at most 2.5 per expert (each pair streams its
     expert); past that the tl.dot decode kernels, which stream each picked expert once."""

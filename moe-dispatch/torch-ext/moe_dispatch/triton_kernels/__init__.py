@@ -24,10 +24,10 @@ else `_gate_up_gemv_kernel` / `_down_gemv_kernel` (fp32, T <= GEMV_MAX_TOKENS); 
 leaves fp32 partial sums that the combine adds. From DEQUANT_MIN_PAIRS (token, slot) pairs per expert the
 experts are instead dequantized once (`_dequantize_kernel`, chunks of columns of every expert into a reused
 16-bit buffer) and the grouped kernels run as for 16-bit experts, one launch per chunk over that chunk's
-columns. On Hopper with the Triton release it was built for, int4 experts from WGMMA_MIN_PAIRS pairs per expert
-run neither: `_gather_rows_kernel` (the token rows in sorted order, for TMA), then the Gluon kernel
-`wgmma._grouped_wgmma_kernel` twice (gate / up with its SwiGLU epilogue, then down with the weighted scatter;
-dequantization overlapped with asynchronous wgmma; `wgmma_chunks` and `warp_specialize` are w4a16's modules byte
+columns. On Hopper with the Triton release it was built for, int4 experts from `launch.wgmma_min_pairs` pairs per
+expert run neither: `_gather_rows_kernel` (the token rows in sorted order, for TMA, and each pair's sorted row), then
+the Gluon kernel `wgmma._grouped_wgmma_kernel` twice (gate / up with its SwiGLU epilogue, then down, its weighted
+rows stored by TMA in sorted order for the combine; dequantization overlapped with asynchronous wgmma; `wgmma_chunks` and `warp_specialize` are w4a16's modules byte
 for byte). No shared expert rides along with 4-bit experts (the op adds a dense one after).
 
 Buffers are sized by upper bounds known from shapes: the padded pair count is at most

@@ -31,6 +31,10 @@ DEQUANT_MIN_PAIRS = 512
 # docs/design/moe-dispatch.md E56) it ran 1.39x the shipped path at 256 and 1024 pairs per expert on Mixtral-8x7B and
 # 1.11x at 256 on Qwen3-30B-A3B, but 0.90-0.93x at 128 and less on Qwen3 (short K: 16 and 6 K-tiles a block).
 WGMMA_MIN_PAIRS = 256
+# ... and from half as many where both GEMMs' K (H and I) span at least this many 128-column K-tiles: a block's start,
+# end and partial token tiles weigh less over a longer K. DeepSeek-V3 (56 and 16 K-tiles) ran 1.07x at 128 pairs
+# per expert (run 144), Qwen3-30B-A3B (16 and 6) 0.94x.
+WGMMA_LONG_K_TILES = 16
 WGMMA_PLAN = {"WGMMA": {"num_stages": 3}, "BLOCK_M": 128}
 DEQUANT_CHUNK_BYTES = 1 << 30
 DEQUANT_BLOCK_N = 64  # weight rows per program of the dequantize kernel

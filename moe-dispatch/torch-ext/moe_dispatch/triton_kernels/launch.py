@@ -14,7 +14,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quantized import QuantizedExperts
 from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_BLOCK_N, DEQUANT_CHUNK_BYTES, DEQUANT_MIN_PAIRS,
-                      DEQUANT_OVERLAP, ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, WGMMA_MIN_PAIRS,
+                      DEQUANT_OVERLAP, ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, WGMMA_LONG_K_TILES, WGMMA_MIN_PAIRS,
                       WGMMA_PLAN, _for_dtype, _for_weights, _sm_count, default_config, get_config)
 from .experts import (_combine_kernel, _dequantize_kernel, _down_decode_kernel, _down_grouped_kernel,
                       _gate_up_decode_kernel, _gate_up_grouped_kernel, _gather_rows_kernel)
@@ -365,6 +365,13 @@ def grouped_wgmma_supported(x: torch.Tensor, w_gate_up, w_down) -> bool:
 _SM90_SHARED_BYTES = 232448 - 2048
 
 
+def wgmma_min_pairs(hidden: int, intermediate: int) -> int:
+    """(token, slot) pairs per expert from which 4-bit int4 experts run the Gluon grouped kernel by default:
+    WGMMA_MIN_PAIRS, or half that where both GEMMs' K span WGMMA_LONG_K_TILES K-tiles or more."""
+    long_k = min(hidden, intermediate) >= WGMMA_LONG_K_TILES * 128
+    return WGMMA_MIN_PAIRS // 2 if long_k else WGMMA_MIN_PAIRS
+
+
 def _grouped_wgmma(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExperts,
                    topk_weights: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
                    inter: torch.Tensor, top_k: int, block_m: int, plan: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -452,7 +459,7 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
             and not (T > DECODE_MAX_TOKENS and grouped_wgmma_supported(hidden_states, w_gate_up, w_down))):
         config = None  # a plan of the Gluon kernel where it does not apply: the default path, same results
     if config is None:
-        if (quant and T > DECODE_MAX_TOKENS and T * top_k >= WGMMA_MIN_PAIRS * num_routed
+        if (quant and T > DECODE_MAX_TOKENS and T * top_k >= wgmma_min_pairs(H, intermediate) * num_routed
                 and grouped_wgmma_supported(hidden_states, w_gate_up, w_down)):
             config = WGMMA_PLAN
         elif quant and T * top_k >= DEQUANT_MIN_PAIRS * num_routed:  # then the bf16 kernels, with their tables
