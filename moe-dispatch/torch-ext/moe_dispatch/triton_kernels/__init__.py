@@ -27,8 +27,9 @@ experts are instead dequantized once (`_dequantize_kernel`, chunks of columns of
 columns. On Hopper with the Triton release it was built for, int4 experts from `launch.wgmma_min_pairs` pairs per
 expert run neither: `_gather_rows_kernel` (the token rows in sorted order, for TMA, and each pair's sorted row), then
 the Gluon kernel `wgmma._grouped_wgmma_kernel` twice (gate / up with its SwiGLU epilogue, then down, its weighted
-rows stored by TMA in sorted order for the combine; dequantization overlapped with asynchronous wgmma; `wgmma_chunks` and `warp_specialize` are w4a16's modules byte
-for byte). No shared expert rides along with 4-bit experts (the op adds a dense one after).
+rows stored by TMA in sorted order for the combine; dequantization overlapped with asynchronous wgmma;
+`wgmma_chunks` and `warp_specialize` are w4a16's modules byte for byte). No shared expert rides along with 4-bit
+experts (the op adds a dense one after).
 
 Buffers are sized by upper bounds known from shapes: the padded pair count is at most
 (T*k // BLOCK_M + min(E, T*k)) * BLOCK_M <= T*k + E*(BLOCK_M-1). A shared expert of the routed experts'

@@ -14,8 +14,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..quantized import QuantizedExperts
 from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_BLOCK_N, DEQUANT_CHUNK_BYTES, DEQUANT_MIN_PAIRS,
-                      DEQUANT_OVERLAP, ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, WGMMA_LONG_K_TILES, WGMMA_MIN_PAIRS,
-                      WGMMA_PLAN, _for_dtype, _for_weights, _sm_count, default_config, get_config)
+                      DEQUANT_OVERLAP, ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, WGMMA_LONG_K_TILES,
+                      WGMMA_MIN_PAIRS, WGMMA_PLAN, _for_dtype, _for_weights, _sm_count, default_config, get_config)
 from .experts import (_combine_kernel, _dequantize_kernel, _down_decode_kernel, _down_grouped_kernel,
                       _gate_up_decode_kernel, _gate_up_grouped_kernel, _gather_rows_kernel)
 from .gemv import _down_gemv_kernel, _down_h2_kernel, _gate_up_gemv_kernel, _gate_up_h2_kernel
