@@ -312,8 +312,8 @@ def _wgmma_launch_steps(programs: int, m: int, n: int, tiles: int, split: int, s
 
 
 def wgmma_split(m: int, n: int, k: int, block_m: int, block_n: int, sm_count: int) -> int:
-    """The split-K count (one of WGMMA_SPLITS) of the wgmma kernel's fewest tile steps on the critical path: the waves of
-    one-per-SM programs times the K-tiles each program runs, plus the reduction's cost for a split. A program
+    """The split-K count (one of WGMMA_SPLITS) of the wgmma kernel's fewest tile steps on the critical path: the
+    waves of one-per-SM programs times the K-tiles each program runs, plus the reduction's cost for a split. A program
     holds an SM (232 registers a consumer thread), and its steps take about the same time whatever M, so the grid's
     waves decide: M = 640 on Llama-3-70B down is 160 programs of 224 K-tiles (two waves, the second 21 % full)
     unsplit, 640 programs of 56 in five waves at split 4."""

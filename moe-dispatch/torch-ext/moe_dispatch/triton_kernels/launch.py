@@ -214,10 +214,10 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     return pair_out
 
 
-def _pdl(plan: dict, device: torch.device) -> bool:
-    """Whether a kernel of this plan launches as a programmatic dependent of the one before (plan["PDL"]; CUDA
-    sm_90+, not the interpreter)."""
-    return bool(plan.get("PDL", False)) and _pdl_device(device)
+def _pdl(plan: dict, device: torch.device, default: bool = False) -> bool:
+    """Whether a kernel of this plan launches as a programmatic dependent of the one before (plan["PDL"], else
+    `default`; CUDA sm_90+, not the interpreter)."""
+    return bool(plan.get("PDL", default)) and _pdl_device(device)
 
 
 def _pdl_device(device: torch.device) -> bool:
@@ -498,7 +498,7 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
             combine_pdl = _pdl(down, device)
         elif T <= DECODE_MAX_TOKENS and not dequant:
             # dependent launches unless a plan says "PDL": False (their A/B)
-            up_pdl, down_pdl = (_pdl({"PDL": True, **plan}, device) for plan in (up, down))
+            up_pdl, down_pdl = _pdl(up, device, default=True), _pdl(down, device, default=True)
             combine_pdl = down_pdl
             common.update(TOP_K=top_k, BLOCK_T=16, BLOCK_P=triton.next_power_of_2(num_pairs),
                           K_POW2=triton.next_power_of_2(top_k))
