@@ -4,7 +4,7 @@ those at ~87 % and cuBLAS, so the counters can say why (stall reasons, DRAM thro
 Each case is called once to compile and warm up, then once inside the NVTX range "profile", which ncu selects:
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" --set full -o $OUT/decode \
-        python docs/design/ncu_decode_targets.py [w4a16] [moe] [mma] [dot] [wgmma] [wgmma1024] [wgmma4096]
+        python docs/design/ncu_decode_targets.py [w4a16] [moe] [moe16] [mma] [dot] [wgmma] [wgmma1024] [wgmma4096]
     ncu --import $OUT/decode.ncu-rep --page details --csv > $OUT/decode-details.csv
 
 Cases: w4a16 at M = 1, fp16, int4 g128, the eight Llama-3 shapes on the shipped launch (the card's table);
@@ -18,7 +18,8 @@ M = 16 on two, cuBLAS fp16 at M = 16 on the same two. `dot`: the tensor-core dot
 on 8B gate_up and 70B o (issue #12's M = 16 and M = 256 goals are the furthest from their targets). `wgmma`: the
 Gluon prefill kernel (128-token tiles, 3 stages, two chunks in flight: E37) at M = 256 on the same two shapes.
 `wgmma1024`: the shipped launch at M = 1024 (the table's 256-row wgmma tile on the Llama-3 shapes) on the same two
-shapes, cuBLAS fp16 beside; `wgmma4096`: the same at M = 4096 on 8B gate_up and 8B down.
+shapes, cuBLAS fp16 beside; `wgmma4096`: the same at M = 4096 on 8B gate_up and 8B down. `moe16`: moe-dispatch
+`experts` at T = 1 with bf16 experts, Mixtral-8x7B and Qwen3-30B-A3B.
 """
 import sys
 
@@ -93,6 +94,14 @@ with loaded_kernel(w4a16_project) as w4a16, loaded_kernel(moe_project) as moe:
             case = mb.QuantCase(moe, model, [layer], 1, "int4-g128", mb.quant_expert_bytes(moe, model, spec), seed=3)
             weights, ids = case.routes[0]
             cases.append((f"moe {name} T=1", lambda c=case, l=layer, w=weights, i=ids:
+                          moe.fused_experts(c.xs[0], l.w_gate_up, l.w_down, w, i)))
+    if "moe16" in which:  # bf16 experts at T = 1: Qwen3-30B-A3B's short-K down kernel beside Mixtral's streaming one
+        for name in ("mixtral-8x7b", "qwen3-30b-a3b"):
+            model = mb.MODELS[name]
+            (layer,) = mb.make_layers(model, 1)
+            case = mb.Case(moe, model, [layer], 1, skewed=False, seed=3)
+            weights, ids = case.routes[0]
+            cases.append((f"moe bf16 {name} T=1", lambda c=case, l=layer, w=weights, i=ids:
                           moe.fused_experts(c.xs[0], l.w_gate_up, l.w_down, w, i)))
     for _, fn in cases:
         fn()

@@ -33,6 +33,17 @@ DECODE = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages) for either decode kernel
 ]
 
 
+# T = 1 stream kernels (`launch._streams`): name -> (programs per SM, (BLOCK_N, BLOCK_K, num_warps, num_stages) of
+# both GEMVs); timed after the decode kernels' search, a table's T = 1 entry takes the fastest of either
+STREAM = {"s2-16x256": (2, (16, 256, 4, 4)), "s4-16x256": (4, (16, 256, 4, 4)), "s2-32x128": (2, (32, 128, 4, 4)),
+          "s3-16x128": (3, (16, 128, 4, 6)), "s2-8x512": (2, (8, 512, 4, 3))}
+
+
+def stream_config(name: str) -> dict:
+    programs, plan = STREAM[name]
+    return {"STREAM": programs, **decode_config(plan, plan)}
+
+
 def _gemm(n, k, group, warps, stages):
     return {"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": group, "num_warps": warps, "num_stages": stages}
 
@@ -103,6 +114,9 @@ def jobs(tk, names):
                 for c in DECODE:
                     yield name, T, f"gate_up{c}", {**base, "gate_up": decode_config(c, c)["gate_up"]}
                     yield name, T, f"down{c}", {**base, "down": decode_config(c, c)["down"]}
+                if T == 1:
+                    for cand in STREAM:
+                        yield name, T, cand, stream_config(cand)
             else:
                 for cand in grouped_candidates(T):
                     yield name, T, cand, grouped_config(cand)
@@ -139,6 +153,10 @@ def tune(tk, names) -> list[dict]:
                         results.append({"model": name, "T": T, "kernel": kernel, "candidate": list(c),
                                         "seconds": timed[-1][0]})
                     config = min(timed, key=lambda tc: tc[0])[1]
+                if T == 1:
+                    for cand in STREAM:
+                        results.append({"model": name, "T": T, "kernel": "stream", "candidate": cand,
+                                        "seconds": graph_seconds(problem.call(stream_config(cand)), COPIES)})
             else:
                 for cand in grouped_candidates(T):
                     results.append({"model": name, "T": T, "candidate": cand,
@@ -336,18 +354,23 @@ def dot_4bit(tk, k, names, tokens, candidates, progress=None, compile_only=False
 
 
 def best_configs(results: list[dict]) -> dict[str, dict[int, dict]]:
-    """The fastest candidate per (model, T); for decode the fastest of each kernel."""
+    """The fastest candidate per (model, T); for decode the fastest of each kernel, or at T = 1 the fastest stream
+    config where it beats them (the down search's rows ran with the best gate / up, so their best is the pair's)."""
     def fastest(rows):
-        return min(rows, key=lambda r: r["seconds"])["candidate"]
+        return min(rows, key=lambda r: r["seconds"])
 
     best: dict[str, dict[int, dict]] = {}
     for name, T in sorted({(r["model"], r["T"]) for r in results}, key=lambda mt: (mt[0], mt[1])):
         rows = [r for r in results if (r["model"], r["T"]) == (name, T)]
         if "kernel" in rows[0]:
-            config = decode_config(fastest([r for r in rows if r["kernel"] == "gate_up"]),
-                                   fastest([r for r in rows if r["kernel"] == "down"]))
+            down = fastest([r for r in rows if r["kernel"] == "down"])
+            config = decode_config(fastest([r for r in rows if r["kernel"] == "gate_up"])["candidate"],
+                                   down["candidate"])
+            streams = [r for r in rows if r["kernel"] == "stream"]
+            if streams and fastest(streams)["seconds"] < down["seconds"]:
+                config = stream_config(fastest(streams)["candidate"])
         else:
-            config = grouped_config(fastest(rows))
+            config = grouped_config(fastest(rows)["candidate"])
         best.setdefault(name, {})[T] = config
     return best
 

@@ -137,6 +137,50 @@ def test_out_of_range_ids_select_nothing_in_kernels(k, monkeypatch):
         assert_close(out, experts_float64(x[:tokens], w_gate_up, w_down, kept[:tokens], ids[:tokens]), torch.float32)
 
 
+STREAM_PLANS = {  # (gate_up, down) plans of the T = 1 stream kernels: K not a multiple of BLOCK_K, rows of BLOCK_N
+    "even": ({"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
+             {"BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 2, "num_stages": 3}),
+    "one-step": ({"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 2, "num_stages": 3},
+                 {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}),
+}
+
+
+@pytest.mark.parametrize("plans", sorted(STREAM_PLANS))
+@pytest.mark.parametrize("programs_per_sm", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_stream_kernels_one_token(k, monkeypatch, plans, programs_per_sm, dtype):
+    """T = 1 through the stream kernels (config "STREAM"): items split over programs (the interpreter has 4 SMs:
+    4 or 12 programs over 12-50 items), into a NaN-poisoned output; a duplicate expert, an out-of-range id and the
+    shared expert (id E, its own tensors) among the slots; H and I not multiples of BLOCK_N / BLOCK_K."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    E, H, I = 6, 40, 24
+    x = torch.randn(1, H).to(dtype)
+    w_gate_up, w_down = make_experts(E, H, I, dtype)
+    shared = make_experts(1, H, I, dtype, seed=1)
+    ids = torch.tensor([[3, 0, 3, E + 2, E]], dtype=torch.int32)  # expert 3 twice, one id picking nothing
+    weights = torch.rand(1, 5) + 0.1
+    up, down = STREAM_PLANS[plans]
+    out = torch.full((1, H), float("nan"), dtype=dtype)
+    k.ops.triton_kernels.experts(x, w_gate_up, w_down, weights, ids, out, shared_gate_up=shared[0][0],
+                                 shared_down=shared[1][0],
+                                 config={"STREAM": programs_per_sm, "gate_up": up, "down": down})
+    all_gu, all_dn = torch.cat([w_gate_up, shared[0]]), torch.cat([w_down, shared[1]])
+    kept = weights * (ids < E + 1)
+    ref = experts_float64(x, all_gu, all_dn, kept, torch.where(ids < E + 1, ids, 0))
+    assert_close(out, ref, dtype)
+
+
+def test_stream_config_checked(k, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(1, 32)
+    w_gate_up, w_down = make_experts(4, 32, 16, torch.float32)
+    weights, ids = routing("balanced", 1, 4, 2)
+    up, down = STREAM_PLANS["even"]
+    with pytest.raises(ValueError, match="STREAM"):
+        k.ops.triton_kernels.experts(x, w_gate_up, w_down, weights, ids, torch.empty(1, 32),
+                                     config={"STREAM": 0, "gate_up": up, "down": down})
+
+
 ROUTINGS = {
     "mixtral": dict(scoring="softmax", renormalize=True),
     "qwen2": dict(scoring="softmax", renormalize=False),
@@ -384,6 +428,19 @@ def test_transformers_kernelize_layer(k, path, built_kernel_dir):
     assert type(model.model.layers[0].mlp.experts).forward is not model.model.layers[0].mlp.experts.forward
     # bf16 model: the eager experts round at other places than the kernel (index_add_ in bf16)
     assert (ours - eager).norm() <= 2e-2 * eager.norm()
+
+
+def test_heuristic_streams_one_token_on_small_experts(k, monkeypatch):
+    """Without a tuned table, one token on experts of intermediate size <= 4096 takes the stream kernels (E58b:
+    faster on Qwen3-30B-A3B and DeepSeek-V3), long experts (Mixtral) and more tokens the decode kernels."""
+    tk, cuda = k.ops.triton_kernels.configs, torch.device("cuda", 0)
+    monkeypatch.setattr(tk, "_sm_count", lambda device: 132)
+    qwen3, deepseek, mixtral = (128, 2048, 768, 8), (256, 7168, 2048, 8), (8, 4096, 14336, 2)
+    for E, H, I, top_k in (qwen3, deepseek):
+        config = tk.default_config(1, E, H, I, top_k, cuda)
+        assert config["STREAM"] == 4 and config["down"]["BLOCK_K"] == min(256, I)
+        assert "STREAM" not in tk.default_config(2, E, H, I, top_k, cuda)
+    assert "STREAM" not in tk.default_config(1, *mixtral, cuda)
 
 
 def test_tuned_configs_apply_only_to_their_gpu(k, monkeypatch, caplog):

@@ -89,6 +89,43 @@ def test_fused_experts_full_size(k, layers, name, T, kind):
     assert torch.equal(out, k.fused_experts(x, w_gate_up, w_down, weights, ids))  # deterministic
 
 
+# T = 1 stream kernels (config "STREAM"): programs per SM, then both GEMVs' (BLOCK_N, BLOCK_K, warps, stages)
+STREAM_PLANS = {
+    "s2-16x256": (2, (16, 256, 4, 4)), "s4-32x128": (4, (32, 128, 4, 3)), "s3-8x512": (3, (8, 512, 4, 3)),
+}
+
+
+@pytest.mark.parametrize("plan", sorted(STREAM_PLANS))
+@pytest.mark.parametrize("name", ["qwen3", "mixtral"])
+def test_stream_kernels_full_size(k, layers, plan, name):
+    """The T = 1 stream kernels at full model sizes into a NaN-poisoned output, against float64; a duplicate
+    expert and an unpicked id among the slots; bit-equal over repeated calls and CUDA-graph replays."""
+    w_gate_up, w_down, _, top_k, _ = layers(name)
+    E, H = w_down.shape[:2]
+    x = torch.randn(1, H, device="cuda").bfloat16()
+    weights, ids = routing_ids("balanced", 1, E, top_k)
+    ids[0, -1] = ids[0, 0]
+    if top_k > 2:
+        ids[0, 1] = E  # selects nothing
+    programs, (n, kk, warps, stages) = STREAM_PLANS[plan]
+    one = {"BLOCK_N": n, "BLOCK_K": kk, "num_warps": warps, "num_stages": stages}
+    config = {"STREAM": programs, "gate_up": one, "down": one}
+    out = torch.full_like(x, float("nan"))
+    k.ops.triton_kernels.experts(x, w_gate_up, w_down, weights, ids, out, config=config)
+    kept = weights * (ids < E)
+    assert rel_error(out, experts_float64(x, w_gate_up, w_down, kept, ids.clamp(max=E - 1))) < BF16_TOL
+    again = torch.full_like(x, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    k.ops.triton_kernels.experts(x, w_gate_up, w_down, weights, ids, again, config=config)  # compiled before capture
+    with torch.cuda.graph(graph):
+        k.ops.triton_kernels.experts(x, w_gate_up, w_down, weights, ids, again, config=config)
+    for _ in range(3):
+        again.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(again, out)
+
+
 @pytest.mark.parametrize("name,T", [("mixtral", 1), ("deepseek", 3), ("deepseek", 200), ("qwen3", 1000)])
 def test_moe_forward_full_size(k, layers, name, T):
     """Whole block, DeepSeek with a shared expert fused in (same intermediate size as the routed ones)."""

@@ -6,7 +6,10 @@ Launches for a whole layer (`moe_forward`), none of them sized by device data (n
   cuBLAS) -> `_route_kernel` -> `_gate_up_decode_kernel`
   -> `_down_decode_kernel` -> `_combine_kernel`. No sort: each program takes one (token, slot) pair and
   works only if that pair is the first to name its expert, so every selected expert's weights are
-  streamed once, by many programs at a time.
+  streamed once, by many programs at a time. One token on 16-bit experts with a config's "STREAM" (the
+  heuristic's for intermediate sizes <= STREAM_MAX_INTERMEDIATE): `_gate_up_stream_kernel` ->
+  `_down_stream_kernel` instead, each GEMV's (pair, row block) items split over a few programs per SM that
+  stream them through one pipelined loop.
 - larger T: `_route_kernel` (router GEMM fused, also writes a per-chunk expert histogram) -> `_align_kernel`
   (pairs sorted by expert, each expert padded to BLOCK_M) -> `_gate_up_grouped_kernel` (gathers token rows
   on load, SiLU(gate) * up epilogue) -> `_down_grouped_kernel` (routing weight applied in fp32) ->

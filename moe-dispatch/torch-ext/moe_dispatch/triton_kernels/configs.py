@@ -12,6 +12,7 @@ import triton
 
 DECODE_MAX_TOKENS = 16  # up to this many tokens one 16-row tile holds them all: the decode kernels run
 GEMV_MAX_TOKENS = 4  # 4-bit experts up to this many tokens: the GEMV kernels (gemv.py)
+STREAM_MAX_INTERMEDIATE = 4096  # 16-bit experts of at most this intermediate size: one token on the stream kernels
 PACKED_GEMV_MAX_TOKENS = 16  # the same for formats of the packed-fp16 GEMVs (`launch.packed_gemv`)
 # Up to this many tokens the router logits come from `_router_gemv_kernel`, ROUTER_BLOCK_E router rows per program
 # over all of H in tiles of ROUTER_GEMV_ELEMENTS products; cuBLAS took 4-6 us for these GEMVs on the H100 (run 82),
@@ -133,6 +134,13 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
                                "num_stages": stages}
         return config
     sms = _sm_count(device)
+    if tokens == 1 and intermediate <= STREAM_MAX_INTERMEDIATE:
+        # one token on small experts: the stream kernels (`launch._streams`), 16 x 256 tiles, 4 programs per SM.
+        # On the H100 (run 155, docs/design/moe-dispatch.md E58b) 1.11x the decode kernels on Qwen3-30B-A3B and
+        # 1.06x on DeepSeek-V3 (I = 768 / 2048); Mixtral (I = 14336) was no faster
+        plan = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4}
+        return {"STREAM": 4, "gate_up": {**plan, "BLOCK_K": _pow2_at_most(hidden, 256)},
+                "down": {**plan, "BLOCK_K": _pow2_at_most(intermediate, 256)}}
     if tokens <= DECODE_MAX_TOKENS:
         active = min(num_experts, tokens * top_k)
         # enough column blocks that each SM streams several weight slabs at once

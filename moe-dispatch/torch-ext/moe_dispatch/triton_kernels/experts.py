@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (_dequant_tile, _expert_weights, _matmul_tile, _matmul_tile_q, _pdl_launch_dependents, _pdl_wait,
-                    _quant_bases, _swiglu_tile, _swiglu_tile_q)
+                    _picked, _quant_bases, _stream_range, _swiglu_tile, _swiglu_tile_q)
 
 
 @triton.jit
@@ -132,6 +132,90 @@ def _gather_rows_kernel(x_ptr, out_ptr, pair_rows_ptr, sorted_ids_ptr, block_exp
     values = tl.load(x_ptr + tokens[:, None] * stride_xt + cols[None, :],
                      mask=(pairs < num_pairs)[:, None] & col_ok[None, :], other=0.0)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :], values, mask=col_ok[None, :])
+
+
+@triton.jit
+def _stream_step(step, first, n_blocks, ids_ptr, w_ptr, shared_ptr, N, K, num_routed, num_experts, stride_we,
+                 stride_wn, stride_sn, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 K_STEPS: tl.constexpr):
+    """Loop step `step` of a stream program: (pair, its expert id, weight rows, K columns, rows < N of a picked
+    expert, columns < K, the [BLOCK_N, BLOCK_K] weight tile's pointers and the rows' stride, whether it is the
+    item's last K step). The shared expert's weights by a select, not a branch, so that the loads stay in the
+    pipelined loop."""
+    item = first + step // K_STEPS
+    pair = item // n_blocks
+    ks = step % K_STEPS
+    e = tl.load(ids_ptr + pair)
+    base = w_ptr + e.to(tl.int64) * stride_we
+    stride_n = stride_wn
+    if HAS_SHARED:
+        shared = e == num_routed
+        base = tl.where(shared, shared_ptr, base)
+        stride_n = tl.where(shared, stride_sn, stride_wn)
+    rows = (item % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = ks * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = (rows < N) & _picked(e, rows, num_experts)  # other ids select nothing; the combine skips their pairs
+    w_ptrs = base + rows.to(tl.int64)[:, None] * stride_n + cols[None, :]
+    return pair, e, rows, cols, n_ok, cols < K, w_ptrs, stride_n, ks == K_STEPS - 1
+
+
+# One token (T = 1): each GEMV's (pair, row block) items split evenly over a grid of a few programs per SM, and
+# each program streams its items' weight rows through one pipelined loop over (item, K step), so its loads run on
+# across item boundaries. The decode kernels instead run one (pair, block) per program, and at a short K (Qwen3's
+# down projection: 3 steps) each program is a single round trip, its waves one latency each.
+@triton.jit(do_not_specialize=["num_items"])
+def _gate_up_stream_kernel(
+    x_ptr, w_ptr, shared_ptr, inter_ptr, ids_ptr, H, I, num_routed, num_experts, num_items, n_blocks,
+    stride_we, stride_wn, stride_sn, stride_it,
+    HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr,
+    STAGES: tl.constexpr, PDL: tl.constexpr,
+):
+    """inter[p, n] = SiLU(gate_n . x) * (up_n . x) for every picked pair p of the one token, fp32 sums."""
+    _pdl_wait(PDL)
+    first, steps = _stream_range(num_items, K_STEPS)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for step in tl.range(0, steps, num_stages=STAGES):
+        pair, _, rows, cols, n_ok, k_ok, w_ptrs, stride_n, last = _stream_step(
+            step, first, n_blocks, ids_ptr, w_ptr, shared_ptr, I, H, num_routed, num_experts, stride_we, stride_wn,
+            stride_sn, HAS_SHARED, BLOCK_N, BLOCK_K, K_STEPS)
+        x = tl.load(x_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+        mask = n_ok[:, None] & k_ok[None, :]
+        acc_g += tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * x[None, :]
+        acc_u += tl.load(w_ptrs + I * stride_n, mask=mask, other=0.0).to(tl.float32) * x[None, :]
+        if last:
+            gate = tl.sum(acc_g, axis=1)
+            act = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc_u, axis=1)
+            tl.store(inter_ptr + pair.to(tl.int64) * stride_it + rows, act.to(inter_ptr.dtype.element_ty),
+                     mask=n_ok)
+        acc_g = tl.where(last, 0.0, acc_g)
+        acc_u = tl.where(last, 0.0, acc_u)
+
+
+@triton.jit(do_not_specialize=["num_items"])
+def _down_stream_kernel(
+    inter_ptr, w_ptr, shared_ptr, pair_out_ptr, ids_ptr, topk_w_ptr, H, I, num_routed, num_experts, num_items,
+    n_blocks, stride_it, stride_we, stride_wn, stride_sn, stride_pt,
+    HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr,
+    STAGES: tl.constexpr, PDL: tl.constexpr,
+):
+    """pair_out[p, n] = w_p * (down_n . inter[p]) for every picked pair p of the one token (`_gate_up_stream_kernel`'s
+    items and loop; the combine after it adds the slots)."""
+    _pdl_wait(PDL)
+    first, steps = _stream_range(num_items, K_STEPS)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for step in tl.range(0, steps, num_stages=STAGES):
+        pair, e, rows, cols, n_ok, k_ok, w_ptrs, _, last = _stream_step(
+            step, first, n_blocks, ids_ptr, w_ptr, shared_ptr, H, I, num_routed, num_experts, stride_we, stride_wn,
+            stride_sn, HAS_SHARED, BLOCK_N, BLOCK_K, K_STEPS)
+        k_ok = k_ok & _picked(e, cols, num_experts)  # an unpicked pair's intermediate row is never written
+        x = tl.load(inter_ptr + pair.to(tl.int64) * stride_it + cols, mask=k_ok, other=0.0).to(tl.float32)
+        acc += tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * x[None, :]
+        if last:
+            out = tl.sum(acc, axis=1) * tl.load(topk_w_ptr + pair).to(tl.float32)
+            tl.store(pair_out_ptr + pair.to(tl.int64) * stride_pt + rows, out.to(pair_out_ptr.dtype.element_ty),
+                     mask=n_ok)
+        acc = tl.where(last, 0.0, acc)
 
 
 @triton.jit

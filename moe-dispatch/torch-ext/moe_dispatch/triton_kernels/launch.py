@@ -17,7 +17,8 @@ from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_BLOCK_N, DEQUANT_
                       DEQUANT_OVERLAP, ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, WGMMA_LONG_K_TILES,
                       WGMMA_MIN_PAIRS, WGMMA_PLAN, _for_dtype, _for_weights, _sm_count, default_config, get_config)
 from .experts import (_combine_kernel, _dequantize_kernel, _down_decode_kernel, _down_grouped_kernel,
-                      _gate_up_decode_kernel, _gate_up_grouped_kernel, _gather_rows_kernel)
+                      _down_stream_kernel, _gate_up_decode_kernel, _gate_up_grouped_kernel, _gate_up_stream_kernel,
+                      _gather_rows_kernel)
 from .gemv import _down_gemv_kernel, _down_h2_kernel, _gate_up_gemv_kernel, _gate_up_h2_kernel
 from .routing import _align_kernel, _histogram_kernel, _route_kernel, _router_gemv_kernel
 from .tiles import SCALE_ON_ACC
@@ -212,6 +213,42 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
         **_h2_flags(down, inter.dtype, intermediate, per_split, dn_format, x.device),
     )
     return pair_out
+
+
+def _streams(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, shared_gu: torch.Tensor,
+             shared_dn: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, has_shared: bool,
+             pair_out: torch.Tensor, up: dict, down: dict, programs_per_sm: int) -> bool:
+    """The two expert GEMVs of one token with 16-bit or fp32 experts as stream kernels (`_gate_up_stream_kernel`):
+    each GEMV's (pair, block of BLOCK_N rows) items over at most programs_per_sm programs per SM, the pairs'
+    weighted outputs into pair_out [P, H]. Returns whether the combine may launch as the down kernel's
+    dependent."""
+    H = x.shape[1]
+    num_pairs, intermediate = topk_ids.numel(), w_down.shape[2]
+    num_routed = w_down.shape[0]
+    if not (isinstance(programs_per_sm, int) and programs_per_sm >= 1):
+        raise ValueError(f"config: STREAM must be a positive int (programs per SM), got {programs_per_sm!r}")
+    sms = _sm_count(x.device)
+    inter = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)
+    pdl = {}
+    for name, plan, n, k in (("gate_up", up, intermediate, H), ("down", down, H, intermediate)):
+        pdl[name] = _pdl(plan, x.device, default=True)
+        n_blocks = triton.cdiv(n, plan["BLOCK_N"])
+        num_items = num_pairs * n_blocks
+        grid = (min(num_items, sms * programs_per_sm),)
+        flags = dict(HAS_SHARED=has_shared, BLOCK_N=plan["BLOCK_N"], BLOCK_K=plan["BLOCK_K"],
+                     K_STEPS=triton.cdiv(k, plan["BLOCK_K"]), STAGES=plan["num_stages"], PDL=pdl[name],
+                     launch_pdl=pdl[name], num_warps=plan["num_warps"])
+        if name == "gate_up":
+            _gate_up_stream_kernel[grid](
+                x, w_gate_up, shared_gu, inter, topk_ids, H, intermediate, num_routed, num_routed + int(has_shared),
+                num_items, n_blocks, w_gate_up.stride(0), w_gate_up.stride(1), shared_gu.stride(-2), inter.stride(0),
+                **flags)
+        else:
+            _down_stream_kernel[grid](
+                inter, w_down, shared_dn, pair_out, topk_ids, topk_weights, H, intermediate, num_routed,
+                num_routed + int(has_shared), num_items, n_blocks, inter.stride(0), w_down.stride(0),
+                w_down.stride(1), shared_dn.stride(-2), pair_out.stride(0), **flags)
+    return pdl["down"]
 
 
 def _pdl(plan: dict, device: torch.device, default: bool = False) -> bool:
@@ -496,6 +533,9 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
         if gemv:
             pair_out = _gemvs(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, up, down)
             combine_pdl = _pdl(down, device)
+        elif T == 1 and not quant and "STREAM" in config:
+            combine_pdl = _streams(hidden_states, w_gate_up, w_down, shared_gu, shared_dn, topk_weights, topk_ids,
+                                   has_shared, pair_out, up, down, config["STREAM"])
         elif T <= DECODE_MAX_TOKENS and not dequant:
             # dependent launches unless a plan says "PDL": False (their A/B)
             up_pdl, down_pdl = _pdl(up, device, default=True), _pdl(down, device, default=True)
