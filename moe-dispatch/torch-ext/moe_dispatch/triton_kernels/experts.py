@@ -1,12 +1,12 @@
 """Expert kernels: the grouped GEMMs over pairs sorted by expert (large T), the decode kernels (one program per
-selected expert, T <= DECODE_MAX_TOKENS), the combine over the top-k slots, and the dequantization of 4-bit
-experts for the grouped GEMMs at many tokens per expert."""
+selected expert, T <= DECODE_MAX_TOKENS), the stream kernels (one token, a few programs per SM), the combine over
+the top-k slots, and the dequantization of 4-bit experts for the grouped GEMMs at many tokens per expert."""
 
 import triton
 import triton.language as tl
 
 from .tiles import (_dequant_tile, _expert_weights, _matmul_tile, _matmul_tile_q, _pdl_launch_dependents, _pdl_wait,
-                    _picked, _quant_bases, _stream_range, _swiglu_tile, _swiglu_tile_q)
+                    _quant_bases, _swiglu_tile, _swiglu_tile_q)
 
 
 @triton.jit
@@ -132,6 +132,22 @@ def _gather_rows_kernel(x_ptr, out_ptr, pair_rows_ptr, sorted_ids_ptr, block_exp
     values = tl.load(x_ptr + tokens[:, None] * stride_xt + cols[None, :],
                      mask=(pairs < num_pairs)[:, None] & col_ok[None, :], other=0.0)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :], values, mask=col_ok[None, :])
+
+
+@triton.jit
+def _picked(e, like, num_experts):
+    """Whether expert id e selects an expert, as a block shaped like `like` (the interpreter takes no scalar
+    comparison into a mask)."""
+    e_block = tl.zeros_like(like) + e
+    return (e_block >= 0) & (e_block < num_experts)
+
+
+@triton.jit
+def _stream_range(num_items, K_STEPS: tl.constexpr):
+    """(first item, loop steps) of a stream program: the items split evenly over the grid."""
+    programs = tl.num_programs(0)
+    first = tl.program_id(0) * num_items // programs
+    return first, ((tl.program_id(0) + 1) * num_items // programs - first) * K_STEPS
 
 
 @triton.jit

@@ -329,21 +329,3 @@ def _pdl_wait(PDL: tl.constexpr):
 def _pdl_launch_dependents(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-# One token's stream kernels (`experts._gate_up_stream_kernel`, `gemv._down_h2_stream_kernel`): a GEMV's (pair, row
-# block) items split evenly over the grid, each program one pipelined loop over (item, K step).
-@triton.jit
-def _picked(e, like, num_experts):
-    """Whether expert id e selects an expert, as a block shaped like `like` (the interpreter takes no scalar
-    comparison into a mask)."""
-    e_block = tl.zeros_like(like) + e
-    return (e_block >= 0) & (e_block < num_experts)
-
-
-@triton.jit
-def _stream_range(num_items, K_STEPS: tl.constexpr):
-    """(first item, loop steps) of a stream program: the items split evenly over the grid."""
-    programs = tl.num_programs(0)
-    first = tl.program_id(0) * num_items // programs
-    return first, ((tl.program_id(0) + 1) * num_items // programs - first) * K_STEPS
