@@ -133,7 +133,6 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
                 config[key] = {**config[key], "BLOCK_N": _pow2_at_most(rows, n), "num_warps": warps,
                                "num_stages": stages}
         return config
-    sms = _sm_count(device)
     if tokens == 1 and intermediate <= STREAM_MAX_INTERMEDIATE:
         # one token on small experts: the stream kernels (`launch._streams`), 16 x 256 tiles, 4 programs per SM.
         # On the H100 (run 155, docs/design/moe-dispatch.md E58b) 1.11x the decode kernels on Qwen3-30B-A3B and
@@ -141,6 +140,7 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
         plan = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 4}
         return {"STREAM": 4, "gate_up": {**plan, "BLOCK_K": _pow2_at_most(hidden, 256)},
                 "down": {**plan, "BLOCK_K": _pow2_at_most(intermediate, 256)}}
+    sms = _sm_count(device)
     if tokens <= DECODE_MAX_TOKENS:
         active = min(num_experts, tokens * top_k)
         # enough column blocks that each SM streams several weight slabs at once

@@ -229,26 +229,27 @@ def _streams(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, sha
         raise ValueError(f"config: STREAM must be a positive int (programs per SM), got {programs_per_sm!r}")
     sms = _sm_count(x.device)
     inter = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)
-    pdl = {}
-    for name, plan, n, k in (("gate_up", up, intermediate, H), ("down", down, H, intermediate)):
-        pdl[name] = _pdl(plan, x.device, default=True)
+
+    def launch(plan: dict, n: int, k: int) -> tuple:
+        """(grid, n_blocks, items, flags) of one GEMV: its (pair, row block) items over the programs."""
+        pdl = _pdl(plan, x.device, default=True)
         n_blocks = triton.cdiv(n, plan["BLOCK_N"])
         num_items = num_pairs * n_blocks
-        grid = (min(num_items, sms * programs_per_sm),)
         flags = dict(HAS_SHARED=has_shared, BLOCK_N=plan["BLOCK_N"], BLOCK_K=plan["BLOCK_K"],
-                     K_STEPS=triton.cdiv(k, plan["BLOCK_K"]), STAGES=plan["num_stages"], PDL=pdl[name],
-                     launch_pdl=pdl[name], num_warps=plan["num_warps"])
-        if name == "gate_up":
-            _gate_up_stream_kernel[grid](
-                x, w_gate_up, shared_gu, inter, topk_ids, H, intermediate, num_routed, num_routed + int(has_shared),
-                num_items, n_blocks, w_gate_up.stride(0), w_gate_up.stride(1), shared_gu.stride(-2), inter.stride(0),
-                **flags)
-        else:
-            _down_stream_kernel[grid](
-                inter, w_down, shared_dn, pair_out, topk_ids, topk_weights, H, intermediate, num_routed,
-                num_routed + int(has_shared), num_items, n_blocks, inter.stride(0), w_down.stride(0),
-                w_down.stride(1), shared_dn.stride(-2), pair_out.stride(0), **flags)
-    return pdl["down"]
+                     K_STEPS=triton.cdiv(k, plan["BLOCK_K"]), STAGES=plan["num_stages"], PDL=pdl, launch_pdl=pdl,
+                     num_warps=plan["num_warps"])
+        return (min(num_items, sms * programs_per_sm),), n_blocks, num_items, flags
+
+    grid, n_blocks, num_items, flags = launch(up, intermediate, H)
+    _gate_up_stream_kernel[grid](
+        x, w_gate_up, shared_gu, inter, topk_ids, H, intermediate, num_routed, num_routed + int(has_shared),
+        num_items, n_blocks, w_gate_up.stride(0), w_gate_up.stride(1), shared_gu.stride(-2), inter.stride(0), **flags)
+    grid, n_blocks, num_items, flags = launch(down, H, intermediate)
+    _down_stream_kernel[grid](
+        inter, w_down, shared_dn, pair_out, topk_ids, topk_weights, H, intermediate, num_routed,
+        num_routed + int(has_shared), num_items, n_blocks, inter.stride(0), w_down.stride(0), w_down.stride(1),
+        shared_dn.stride(-2), pair_out.stride(0), **flags)
+    return flags["PDL"]
 
 
 def _pdl(plan: dict, device: torch.device, default: bool = False) -> bool:
