@@ -5,7 +5,7 @@ int4 in scale groups of >= 128 columns or per channel, 16-bit activations)."""
 import triton
 import triton.language as tl
 
-from .tiles import _MAGIC, _MAGIC_BITS, _WORDS, _pdl_launch_dependents, _pdl_wait, _quant_bases
+from .tiles import _MAGIC, _MAGIC_BITS, _WORDS, _l2_prefetch, _pdl_launch_dependents, _pdl_wait, _quant_bases
 
 
 # The fp32 GEMVs (T <= GEMV_MAX_TOKENS): one program per (token, slot) pair and block of output rows, no
@@ -432,19 +432,38 @@ def _h2_block(w_ptr, e64, stride_we, BLOCK_N: tl.constexpr, W_DESC: tl.constexpr
     return first_row, rows, w_src
 
 
+@triton.jit
+def _zero_counts(counts_ptr, p, count_blocks, TOP_K: tl.constexpr):
+    """The first program of each token (its first pair, first row block) zeroes the token's `count_blocks` arrival
+    counts of `_fold_combine`: the down GEMV touches them only after its wait for this grid."""
+    if (p % TOP_K == 0) & (tl.program_id(1) == 0):
+        base = counts_ptr + (p // TOP_K).to(tl.int64) * count_blocks
+        for i in range(0, count_blocks, 128):
+            offs = i + tl.arange(0, 128)
+            tl.store(base + offs, tl.zeros([128], dtype=tl.int32), mask=offs < count_blocks)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gate_up_h2_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr,
-    T, H, I, num_experts, rows_per_expert, stride_xt, stride_we, stride_wn, stride_se, stride_sg, stride_it,
+    x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr, counts_ptr,
+    T, H, I, num_experts, rows_per_expert, count_blocks, stride_xt, stride_we, stride_wn, stride_se, stride_sg,
+    stride_it,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
-    W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr,
+    W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, TRIGGER_START: tl.constexpr,
+    ZERO_COUNTS: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """`_gate_up_gemv_kernel` with the packed-fp16 dot (`_h2_rows`); W_DESC: w_ptr is a TMA descriptor over all
     experts' words as [E * Np, tiles, 16] (expert e's rows from e * rows_per_expert). PDL: launched as a
-    programmatic dependent of the routing (`_pdl_wait`), and lets the down GEMV launch once its K loop is done."""
+    programmatic dependent of the routing (`_pdl_wait`), and lets the down GEMV launch once its K loop is done, or
+    with TRIGGER_START right after its wait (E64). ZERO_COUNTS: zeroes the down GEMV's arrival counts first
+    (`_zero_counts`, for its FOLD)."""
     _pdl_wait(PDL)
+    if TRIGGER_START:
+        _pdl_launch_dependents(PDL)
     p = tl.program_id(0)
+    if ZERO_COUNTS:
+        _zero_counts(counts_ptr, p, count_blocks, TOP_K)
     e = tl.load(ids_ptr + p)
     if (e >= 0) & (e < num_experts):  # other ids select nothing; the combine skips their pairs
         e64 = e.to(tl.int64)
@@ -455,30 +474,85 @@ def _gate_up_h2_kernel(
                             z_ptr + e64 * stride_se, rows, rows + I, w_row, w_row + I, n_ok, H, 0, tl.cdiv(H, 128),
                             stride_wn, stride_sg, BLOCK_N, TILES, STAGES, True, HAS_ZERO, GROUP, X_SCALED, X_BCAST,
                             W_DESC, MASK, EMULATE)
-        _pdl_launch_dependents(PDL)
+        if not TRIGGER_START:
+            _pdl_launch_dependents(PDL)
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(inter_ptr + p.to(tl.int64) * stride_it + rows, act.to(inter_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _down_prefetch(wq_ptr, s_ptr, z_ptr, e64, first_row, H, K, first, per_split, stride_we, stride_wn, stride_se,
+                   stride_sg, BLOCK_N: tl.constexpr, TILES: tl.constexpr, HAS_ZERO: tl.constexpr,
+                   GROUP: tl.constexpr, EMULATE: tl.constexpr):
+    """Starts a down program's own words (its rows over K-tiles [first, first + per_split)) and their scale / zero
+    rows into L2 (E64). Rows and tiles past the ends are clamped to the last, which is only a repeated hint."""
+    rows = tl.minimum(first_row + tl.arange(0, BLOCK_N), H - 1).to(tl.int64)
+    last_tile = tl.cdiv(K, 128) - 1
+    words = wq_ptr + e64 * stride_we + rows[:, None] * stride_wn
+    for it in range(0, per_split, TILES):
+        tile = tl.minimum(first + it + tl.arange(0, TILES), last_tile)
+        _l2_prefetch(words + tile[None, :] * _WORDS, EMULATE)  # one 64-byte tile row each
+        if GROUP != -1:  # the block's 16-32 scales of a group lie on one line
+            group_row = (tile // (GROUP // 128)).to(tl.int64) * stride_sg + first_row
+            _l2_prefetch(s_ptr + e64 * stride_se + group_row, EMULATE)
+            if HAS_ZERO:
+                _l2_prefetch(z_ptr + e64 * stride_se + group_row, EMULATE)
+    if GROUP == -1:
+        _l2_prefetch(s_ptr + e64 * stride_se + first_row + tl.zeros([1], dtype=tl.int64), EMULATE)
+
+
+@triton.jit
+def _fold_combine(pair_out_ptr, ids_ptr, counts_ptr, out_ptr, p, rows, n_ok, num_experts, stride_pt, stride_ot,
+                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """E65: the combine folded into the down GEMV. Every program of a token's pairs counts itself on the token's
+    arrival count of its row block (after a CTA barrier: all its threads' stores first; acq_rel: the others'
+    stores seen); the last to arrive adds the pairs' rows in slot order exactly as `_combine_kernel` does (one
+    split), through L2 (`.cg`), and writes the token's output rows. A token whose pairs select nothing gets zeros."""
+    tl.debug_barrier()
+    t = p // TOP_K
+    arrived = tl.atomic_add(counts_ptr + t.to(tl.int64) * tl.num_programs(1) + tl.program_id(1), 1, sem="acq_rel")
+    if arrived == TOP_K - 1:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            pair = t * TOP_K + j
+            e = tl.load(ids_ptr + pair)
+            picked = (e >= 0) & (e < num_experts)
+            row = tl.load(pair_out_ptr + pair.to(tl.int64) * stride_pt + rows, mask=n_ok, other=0.0,
+                          cache_modifier=".cg").to(tl.float32)
+            acc += tl.where(picked, row, 0.0)  # rows of unpicked pairs were never written
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + rows, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _down_h2_kernel(
-    inter_ptr, w_ptr, s_ptr, z_ptr, pair_out_ptr, ids_ptr, topk_w_ptr,
+    inter_ptr, w_ptr, wq_ptr, s_ptr, z_ptr, pair_out_ptr, ids_ptr, topk_w_ptr, counts_ptr, out_ptr,
     T, H, I, num_experts, rows_per_expert, tiles_per_split, stride_it, stride_we, stride_wn, stride_se, stride_sg,
-    stride_pt, stride_split,
-    BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+    stride_pt, stride_split, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
-    W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr,
+    W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, FOLD: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """`_down_gemv_kernel` with the packed-fp16 dot, split over K on grid axis 2: split s writes its fp32 partial
-    sums to pair_out[s] (the combine adds the splits). PDL as in `_gate_up_h2_kernel` (the combine after it)."""
-    _pdl_wait(PDL)
+    sums to pair_out[s] (the combine adds the splits). PDL as in `_gate_up_h2_kernel` (the combine after it).
+    EARLY (E64): before its wait the program reads its pair's expert and starts its own words into L2 from
+    `wq_ptr` (the raw words; the ids were written before the gate/up grid passed its own wait, and the weights do
+    not depend on it). FOLD (E65, one split): `_fold_combine` writes `out_ptr`, no combine launch follows."""
     p = tl.program_id(0)
-    e = tl.load(ids_ptr + p)
+    split = tl.program_id(2)
+    if EARLY:
+        e = tl.load(ids_ptr + p)
+        if (e >= 0) & (e < num_experts):
+            _down_prefetch(wq_ptr, s_ptr, z_ptr, e.to(tl.int64), tl.program_id(1) * BLOCK_N, H, I,
+                           split * tiles_per_split, tiles_per_split, stride_we, stride_wn, stride_se, stride_sg,
+                           BLOCK_N, TILES, HAS_ZERO, GROUP, EMULATE)
+    _pdl_wait(PDL)
+    if not EARLY:
+        e = tl.load(ids_ptr + p)
+    first_row, rows, w_src = _h2_block(w_ptr, e.to(tl.int64), stride_we, BLOCK_N, W_DESC)
+    n_ok = rows < H
     if (e >= 0) & (e < num_experts):
         e64 = e.to(tl.int64)
-        first_row, rows, w_src = _h2_block(w_ptr, e64, stride_we, BLOCK_N, W_DESC)
-        n_ok = rows < H
-        split = tl.program_id(2)
         acc, _ = _h2_rows(inter_ptr + p.to(tl.int64) * stride_it, w_src, s_ptr + e64 * stride_se,
                           z_ptr + e64 * stride_se, rows, rows, e * rows_per_expert + first_row, 0, n_ok, I,
                           split * tiles_per_split, tiles_per_split, stride_wn, stride_sg, BLOCK_N, TILES, STAGES,
@@ -487,3 +561,6 @@ def _down_h2_kernel(
         acc *= tl.load(topk_w_ptr + p).to(tl.float32)
         tl.store(pair_out_ptr + split.to(tl.int64) * stride_split + p.to(tl.int64) * stride_pt + rows,
                  acc.to(pair_out_ptr.dtype.element_ty), mask=n_ok)
+    if FOLD:
+        _fold_combine(pair_out_ptr, ids_ptr, counts_ptr, out_ptr, p, rows, n_ok, num_experts, stride_pt, stride_ot,
+                      TOP_K, BLOCK_N)
