@@ -293,14 +293,15 @@ def test_packed_gemv_plans(k, monkeypatch, plan, fmt_name, dtype):
     assert_close(out, quantized_reference(k, x, q_gate_up, q_down, kept, ids.clamp(max=E - 1)), dtype)
 
 
-# E64 / E65's plan keys on the packed GEMVs (docs/design/moe-dispatch.md): hints and launch order (E64), the
-# combine folded into the down GEMV (E65). The interpreter runs programs one after another and skips the L2
+# E64 / E65's plan keys on the packed GEMVs (docs/design/moe-dispatch.md): hints, early loads and launch order
+# (E64), the combine folded into the down GEMV (E65). The interpreter runs programs one after another and skips the L2
 # prefetches, so here they can only show the arithmetic unchanged; the GPU test checks the ordering.
 OVERLAP_VARIANTS = {
     "trigger-start": ({"PDL_TRIGGER": "start"}, {}),
     "early-lines": ({}, {"EARLY_PREFETCH": "lines"}),
+    "early-words": ({}, {"EARLY_PREFETCH": "words"}),
     "fold": ({}, {"FOLD_COMBINE": True}),
-    "start-early-fold": ({"PDL_TRIGGER": "start"}, {"EARLY_PREFETCH": "lines", "FOLD_COMBINE": True}),
+    "start-words-fold": ({"PDL_TRIGGER": "start"}, {"EARLY_PREFETCH": "words", "FOLD_COMBINE": True}),
 }
 
 
@@ -338,6 +339,7 @@ def test_decode_overlap_bit_equal(k, monkeypatch, variant, fmt_name, dtype):
     ({}, {"EARLY_PREFETCH": "bulk"}, "EARLY_PREFETCH"),
     ({}, {"FOLD_COMBINE": "yes"}, "FOLD_COMBINE"),
     ({}, {"FOLD_COMBINE": True, "TILES": 1, "SPLIT_K": 2}, "FOLD_COMBINE needs one split"),
+    ({}, {"EARLY_PREFETCH": "words", "TILES": 1}, "one loop step"),
 ])
 def test_decode_overlap_keys_checked(k, monkeypatch, up, down, match):
     """A malformed E64 / E65 key is refused by name, as is the fold of a down GEMV split over K."""

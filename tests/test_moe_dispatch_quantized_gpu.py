@@ -111,14 +111,17 @@ def test_packed_gemv_plans(k, plan, name, dtype, T):
 
 
 # E64 / E65 (docs/design/moe-dispatch.md): the gate/up GEMV's trigger at its start, the down GEMV's own words into
-# L2 before its wait, the combine folded into the down GEMV. None may change a bit: a down program that read the
+# L2 or into registers before its wait, the combine folded into the down GEMV. None may change a bit: a down program that read the
 # intermediate before the gate/up grid wrote it, or a fold that summed before the other pairs' rows landed, would.
 OVERLAP_VARIANTS = {
     "start": ({"PDL_TRIGGER": "start"}, {}),
     "early": ({}, {"EARLY_PREFETCH": "lines"}),
     "start-early": ({"PDL_TRIGGER": "start"}, {"EARLY_PREFETCH": "lines"}),
+    "words": ({}, {"EARLY_PREFETCH": "words"}),
+    "start-words": ({"PDL_TRIGGER": "start"}, {"EARLY_PREFETCH": "words"}),
     "fold": ({}, {"FOLD_COMBINE": True}),
     "start-early-fold": ({"PDL_TRIGGER": "start"}, {"EARLY_PREFETCH": "lines", "FOLD_COMBINE": True}),
+    "start-words-fold": ({"PDL_TRIGGER": "start"}, {"EARLY_PREFETCH": "words", "FOLD_COMBINE": True}),
 }
 
 

@@ -357,10 +357,52 @@ def _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, x_unscale, 
 
 
 @triton.jit
+def _h2_words(w_src, rows, w_row, tile, ok, step_first, stride_qn, W_DESC: tl.constexpr):
+    """The [BLOCK_N, TILES, 16] words of rows `rows` at K-tiles `tile` (the first is `step_first`): a TMA box from
+    the descriptor `w_src` at descriptor row `w_row` (past the last tile: zeros), or masked pointer loads."""
+    if W_DESC:
+        w = w_src.load([w_row, step_first, 0])
+    else:
+        col = tl.arange(0, _WORDS)
+        ptrs = w_src + rows[:, None, None] * stride_qn + tile[None, :, None] * _WORDS + col[None, None, :]
+        w = tl.load(ptrs, mask=ok[:, :, None], other=0, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg, zlo, zhi, zlo_b, zhi_b,
+             BLOCK_N: tl.constexpr, TWO: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
+             X_SCALED: tl.constexpr, X_BCAST: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr):
+    """One step of `_h2_rows`: x at the step's tiles as packed fp16 pairs (made fp16 per tile where X_SCALED), and
+    the terms of words `w` (and with TWO `w_b`; else the second result repeats the first)."""
+    col = tl.arange(0, _WORDS)
+    k0 = tile[None, :, None] * 128 + col[None, None, :]
+    if not X_BCAST:
+        k0 = tl.broadcast_to(k0, (BLOCK_N, tile.shape[0], _WORDS))
+    scale = 1.0
+    unscale = 1.0
+    if X_SCALED:
+        scale = _x_tile_scales(x_row, k0, K, MASK)
+        # a power of two: the inverse is exact, and one reciprocal per tile replaces a division per row and tile
+        unscale = 1.0 / scale
+    xp0 = _x_pair(x_row, k0, K, scale, 0, X_SCALED, MASK)
+    xp1 = _x_pair(x_row, k0, K, scale, 1, X_SCALED, MASK)
+    xp2 = _x_pair(x_row, k0, K, scale, 2, X_SCALED, MASK)
+    xp3 = _x_pair(x_row, k0, K, scale, 3, X_SCALED, MASK)
+    part = _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, unscale, xp0, xp1, xp2, xp3, HAS_ZERO,
+                    GROUP, X_SCALED, EMULATE)
+    part_b = part
+    if TWO:
+        part_b = _h2_tile(w_b, s_base, z_base, tile, rows_b, ok, stride_sg, zlo_b, zhi_b, unscale, xp0, xp1, xp2, xp3,
+                          HAS_ZERO, GROUP, X_SCALED, EMULATE)
+    return part, part_b
+
+
+@triton.jit
 def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K, first, per_split, stride_qn,
-             stride_sg, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
+             stride_sg, w_pre, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
              HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
-             W_DESC: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr):
+             W_DESC: tl.constexpr, MASK: tl.constexpr, PRELOADED: tl.constexpr, EMULATE: tl.constexpr):
     """fp32 [BLOCK_N] dot products of x_row with weight rows `rows` over K-tiles [first, first + per_split), by
     `_H2_ASM`; TWO: also rows `rows_b` in the same loop (the up rows of a gate / up pair).
 
@@ -368,10 +410,10 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
     boxes of [BLOCK_N, TILES, 16] from the descriptor `w_src` at descriptor rows `w_row` / `w_row_b`; boxes past
     the last tile read as zeros). X_BCAST: x as [1, TILES, 16], broadcast over the rows in the dot (a thread then
     holds all BLOCK_N rows of its word positions and loads each x once); else x in the weight tile's shape.
-    MASK: some loop step reaches past K or past the last tile."""
+    MASK: some loop step reaches past K or past the last tile. PRELOADED (one step, not TWO): the caller loaded
+    its words `w_pre` (`_h2_words`), before its PDL wait (E64's "words")."""
     num_tiles = tl.cdiv(K, 128)
     tile_ar = tl.arange(0, TILES)
-    col = tl.arange(0, _WORDS)
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
     zlo = tl.full([BLOCK_N, TILES, _WORDS], _ZLO_SYM, tl.int32)
@@ -383,40 +425,24 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
         if TWO:
             zero_b = tl.load(z_base + rows_b, mask=n_ok, other=0).to(tl.int32)[:, None, None]
             zlo_b, zhi_b = _h2_zero_pairs(tl.broadcast_to(zero_b, (BLOCK_N, TILES, _WORDS)), EMULATE)
-    if not W_DESC:
-        w_ptrs = w_src + rows[:, None, None] * stride_qn + col[None, None, :]
-        w_ptrs_b = w_src + rows_b[:, None, None] * stride_qn + col[None, None, :]
-    for it in tl.range(0, per_split, TILES, num_stages=STAGES):
-        tile = first + it + tile_ar
-        live = tile < num_tiles
-        ok = n_ok[:, None] & live[None, :]
-        if W_DESC:
-            w = w_src.load([w_row, first + it, 0])
+    if PRELOADED:
+        tile = first + tile_ar
+        ok = n_ok[:, None] & (tile < num_tiles)[None, :]
+        acc, _ = _h2_step(x_row, w_pre, w_pre, s_base, z_base, tile, rows, rows, ok, K, stride_sg, zlo, zhi, zlo, zhi,
+                          BLOCK_N, False, HAS_ZERO, GROUP, X_SCALED, X_BCAST, MASK, EMULATE)
+    else:
+        for it in tl.range(0, per_split, TILES, num_stages=STAGES):
+            tile = first + it + tile_ar
+            ok = n_ok[:, None] & (tile < num_tiles)[None, :]
+            w = _h2_words(w_src, rows, w_row, tile, ok, first + it, stride_qn, W_DESC)
+            w_b = w
             if TWO:
-                w_b = w_src.load([w_row_b, first + it, 0])
-        else:
-            offs = tile[None, :, None] * _WORDS
-            w = tl.load(w_ptrs + offs, mask=ok[:, :, None], other=0, eviction_policy="evict_first")
+                w_b = _h2_words(w_src, rows_b, w_row_b, tile, ok, first + it, stride_qn, W_DESC)
+            part, part_b = _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg, zlo, zhi,
+                                    zlo_b, zhi_b, BLOCK_N, TWO, HAS_ZERO, GROUP, X_SCALED, X_BCAST, MASK, EMULATE)
+            acc += part
             if TWO:
-                w_b = tl.load(w_ptrs_b + offs, mask=ok[:, :, None], other=0, eviction_policy="evict_first")
-        k0 = tile[None, :, None] * 128 + col[None, None, :]
-        if not X_BCAST:
-            k0 = tl.broadcast_to(k0, (BLOCK_N, TILES, _WORDS))
-        scale = 1.0
-        unscale = 1.0
-        if X_SCALED:
-            scale = _x_tile_scales(x_row, k0, K, MASK)
-            # a power of two: the inverse is exact, and one reciprocal per tile replaces a division per row and tile
-            unscale = 1.0 / scale
-        xp0 = _x_pair(x_row, k0, K, scale, 0, X_SCALED, MASK)
-        xp1 = _x_pair(x_row, k0, K, scale, 1, X_SCALED, MASK)
-        xp2 = _x_pair(x_row, k0, K, scale, 2, X_SCALED, MASK)
-        xp3 = _x_pair(x_row, k0, K, scale, 3, X_SCALED, MASK)
-        acc += _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, unscale, xp0, xp1, xp2, xp3, HAS_ZERO,
-                        GROUP, X_SCALED, EMULATE)
-        if TWO:
-            acc_b += _h2_tile(w_b, s_base, z_base, tile, rows_b, ok, stride_sg, zlo_b, zhi_b, unscale, xp0, xp1, xp2,
-                              xp3, HAS_ZERO, GROUP, X_SCALED, EMULATE)
+                acc_b += part_b
     return _row_results(acc, acc_b, s_base, rows, rows_b, n_ok, 16.0, GROUP)  # the words' dots were / 16
 
 
@@ -472,8 +498,8 @@ def _gate_up_h2_kernel(
         w_row = e * rows_per_expert + first_row
         gate, up = _h2_rows(x_ptr + (p // TOP_K).to(tl.int64) * stride_xt, w_src, s_ptr + e64 * stride_se,
                             z_ptr + e64 * stride_se, rows, rows + I, w_row, w_row + I, n_ok, H, 0, tl.cdiv(H, 128),
-                            stride_wn, stride_sg, BLOCK_N, TILES, STAGES, True, HAS_ZERO, GROUP, X_SCALED, X_BCAST,
-                            W_DESC, MASK, EMULATE)
+                            stride_wn, stride_sg, 0, BLOCK_N, TILES, STAGES, True, HAS_ZERO, GROUP, X_SCALED, X_BCAST,
+                            W_DESC, MASK, False, EMULATE)
         if not TRIGGER_START:
             _pdl_launch_dependents(PDL)
         act = gate / (1.0 + tl.exp(-gate)) * up
@@ -535,19 +561,28 @@ def _down_h2_kernel(
 ):
     """`_down_gemv_kernel` with the packed-fp16 dot, split over K on grid axis 2: split s writes its fp32 partial
     sums to pair_out[s] (the combine adds the splits). PDL as in `_gate_up_h2_kernel` (the combine after it).
-    EARLY (E64): before its wait the program reads its pair's expert and starts its own words into L2 from
-    `wq_ptr` (the raw words; the ids were written before the gate/up grid passed its own wait, and the weights do
-    not depend on it). FOLD (E65, one split): `_fold_combine` writes `out_ptr`, no combine launch follows."""
+    EARLY (E64): before its wait the program reads its pair's expert (the ids were written before the gate/up
+    grid passed its own wait) and, 1: starts its own words into L2 from `wq_ptr` (the raw words), 2: loads the
+    words of its one loop step (the weights never depend on the gate/up GEMV). FOLD (E65, one split): `_fold_combine` writes `out_ptr`, no combine launch follows."""
     p = tl.program_id(0)
     split = tl.program_id(2)
-    if EARLY:
+    first = split * tiles_per_split
+    w_pre = 0
+    if EARLY > 0:
         e = tl.load(ids_ptr + p)
-        if (e >= 0) & (e < num_experts):
-            _down_prefetch(wq_ptr, s_ptr, z_ptr, e.to(tl.int64), tl.program_id(1) * BLOCK_N, H, I,
-                           split * tiles_per_split, tiles_per_split, stride_we, stride_wn, stride_se, stride_sg,
-                           BLOCK_N, TILES, HAS_ZERO, GROUP, EMULATE)
+        if EARLY == 1:
+            if (e >= 0) & (e < num_experts):
+                _down_prefetch(wq_ptr, s_ptr, z_ptr, e.to(tl.int64), tl.program_id(1) * BLOCK_N, H, I, first,
+                               tiles_per_split, stride_we, stride_wn, stride_se, stride_sg, BLOCK_N, TILES, HAS_ZERO,
+                               GROUP, EMULATE)
+        else:  # the one step's words themselves (an unpicked pair reads expert 0's, unused)
+            e_in = tl.minimum(tl.maximum(e, 0), num_experts - 1)
+            first_row, rows, w_src = _h2_block(w_ptr, e_in.to(tl.int64), stride_we, BLOCK_N, W_DESC)
+            tile = first + tl.arange(0, TILES)
+            ok = (rows < H)[:, None] & (tile < tl.cdiv(I, 128))[None, :]
+            w_pre = _h2_words(w_src, rows, e_in * rows_per_expert + first_row, tile, ok, first, stride_wn, W_DESC)
     _pdl_wait(PDL)
-    if not EARLY:
+    if EARLY == 0:
         e = tl.load(ids_ptr + p)
     first_row, rows, w_src = _h2_block(w_ptr, e.to(tl.int64), stride_we, BLOCK_N, W_DESC)
     n_ok = rows < H
@@ -555,8 +590,8 @@ def _down_h2_kernel(
         e64 = e.to(tl.int64)
         acc, _ = _h2_rows(inter_ptr + p.to(tl.int64) * stride_it, w_src, s_ptr + e64 * stride_se,
                           z_ptr + e64 * stride_se, rows, rows, e * rows_per_expert + first_row, 0, n_ok, I,
-                          split * tiles_per_split, tiles_per_split, stride_wn, stride_sg, BLOCK_N, TILES, STAGES,
-                          False, HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, EMULATE)
+                          first, tiles_per_split, stride_wn, stride_sg, w_pre, BLOCK_N, TILES, STAGES, False,
+                          HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, EARLY == 2, EMULATE)
         _pdl_launch_dependents(PDL)
         acc *= tl.load(topk_w_ptr + p).to(tl.float32)
         tl.store(pair_out_ptr + split.to(tl.int64) * stride_split + p.to(tl.int64) * stride_pt + rows,

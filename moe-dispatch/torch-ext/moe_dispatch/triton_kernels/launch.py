@@ -182,7 +182,8 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
 
     Plan keys of the packed GEMVs' dependent launches (E64 / E65, measured on the design page): the gate/up plan's
     "PDL_TRIGGER" ("end", the default: the down grid launches after each program's K loop; "start": right after
-    its wait), the down plan's "EARLY_PREFETCH" (False, or "lines": its own words into L2 before its wait) and
+    its wait), the down plan's "EARLY_PREFETCH" (False; "lines": its own words into L2 before its wait; "words":
+    the words of its one loop step loaded before its wait) and
     "FOLD_COMBINE" (one split only)."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
@@ -193,13 +194,16 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     inter = torch.empty(num_pairs, intermediate, dtype=torch.float32, device=x.device)
     packed_up, packed_down = packed_gemv(w_gate_up, x.dtype), packed_gemv(w_down, x.dtype)
     trigger = _plan_choice(up, "PDL_TRIGGER", ("end", "start"), "end")
-    early = _plan_choice(down, "EARLY_PREFETCH", (False, "lines"), False)
+    early = _plan_choice(down, "EARLY_PREFETCH", (False, "lines", "words"), False)
     fold = _plan_choice(down, "FOLD_COMBINE", (False, True), False)
     num_tiles = triton.cdiv(intermediate, 128)
     per_split = triton.cdiv(triton.cdiv(num_tiles, down.get("SPLIT_K", 1)), down["TILES"]) * down["TILES"]
     splits = triton.cdiv(num_tiles, per_split)
     if (trigger != "end" or early or fold) and not (packed_up and packed_down):
         raise ValueError("config: PDL_TRIGGER, EARLY_PREFETCH and FOLD_COMBINE apply to the packed-fp16 GEMVs only")
+    if early == "words" and per_split != down["TILES"]:
+        raise ValueError("config: EARLY_PREFETCH 'words' needs a down GEMV of one loop step (its K range of at most "
+                         f"TILES = {down['TILES']} tiles), got {per_split} tiles a split")
     if fold and splits > 1:
         raise ValueError(f"config: FOLD_COMBINE needs one split of the down GEMV, got SPLIT_K {down['SPLIT_K']}")
     down_blocks = triton.cdiv(H, down["BLOCK_N"])
@@ -236,7 +240,7 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
         inter, _words_arg(w_down, down), w_down.qweight, *dn_ptrs[:2], pair_out, topk_ids, topk_weights, counts, out,
         T, H, intermediate, num_routed, w_down.padded_shape[0], per_split, inter.stride(0), *dn_strides,
         pair_out.stride(-2), pair_out.stride(0) if splits > 1 else 0, out.stride(0),
-        TOP_K=top_k, EARLY=bool(early), FOLD=fold,
+        TOP_K=top_k, EARLY={False: 0, "lines": 1, "words": 2}[early], FOLD=fold,
         **_h2_flags(down, inter.dtype, intermediate, per_split, dn_format, x.device),
     )
     return None if fold else pair_out
