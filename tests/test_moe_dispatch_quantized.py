@@ -293,6 +293,80 @@ def test_packed_gemv_plans(k, monkeypatch, plan, fmt_name, dtype):
     assert_close(out, quantized_reference(k, x, q_gate_up, q_down, kept, ids.clamp(max=E - 1)), dtype)
 
 
+# E64 / E65's plan keys on the packed GEMVs (docs/design/moe-dispatch.md): hints, early loads and launch order
+# (E64), the combine folded into the down GEMV (E65). The interpreter runs programs one after another and skips the L2
+# prefetches, so here they can only show the arithmetic unchanged; the GPU test checks the ordering.
+OVERLAP_VARIANTS = {
+    "trigger-start": ({"PDL_TRIGGER": "start"}, {}),
+    "early-lines": ({}, {"EARLY_PREFETCH": "lines"}),
+    "early-words": ({}, {"EARLY_PREFETCH": "words"}),
+    "fold": ({}, {"FOLD_COMBINE": True}),
+    "start-words-fold": ({"PDL_TRIGGER": "start"}, {"EARLY_PREFETCH": "words", "FOLD_COMBINE": True}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(OVERLAP_VARIANTS))
+@pytest.mark.parametrize("fmt_name,dtype", [("int4-sym-g128", torch.bfloat16), ("int4-zp-g128", torch.float16),
+                                            ("int4-zp-channel", torch.bfloat16)])
+def test_decode_overlap_bit_equal(k, monkeypatch, variant, fmt_name, dtype):
+    """Each variant bit-equal to the plan without its keys, with a pair that selects nothing and a token whose pairs
+    all select nothing (the fold must write its zeros), into NaN-poisoned outputs; and within TOL of float64."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    zero_point, group_size = {"int4-sym-g128": (False, 128), "int4-zp-g128": (True, 128),
+                              "int4-zp-channel": (True, -1)}[fmt_name]
+    E, H, I, T, top_k = 4, 320 if group_size == -1 else 384, 192 if group_size == -1 else 256, 3, 2
+    q_gate_up, q_down = quantized_experts(k, E, H, I, "int4", zero_point, group_size, dtype)
+    x = (torch.randn(T, H) * 30).to(dtype)
+    weights, ids = routing("balanced", T, E, top_k)
+    ids[0, 1] = E  # selects nothing
+    ids[2] = -1  # a token whose pairs select nothing
+    plan = PACKED_PLANS["bcast-ring"]
+    up_keys, down_keys = OVERLAP_VARIANTS[variant]
+    outs = []
+    for up, down in (({}, {}), (up_keys, down_keys)):
+        out = torch.full((T, H), float("nan"), dtype=dtype)
+        k.ops.triton_kernels.experts(x, q_gate_up, q_down, weights, ids, out,
+                                     config={"GEMV": True, "gate_up": {**plan, **up}, "down": {**plan, **down}})
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert not outs[1][2].any()
+    kept = weights * ((ids >= 0) & (ids < E))
+    assert_close(outs[1], quantized_reference(k, x, q_gate_up, q_down, kept, ids.clamp(0, E - 1)), dtype)
+
+
+@pytest.mark.parametrize("up,down,match", [
+    ({"PDL_TRIGGER": "middle"}, {}, "PDL_TRIGGER"),
+    ({}, {"EARLY_PREFETCH": "bulk"}, "EARLY_PREFETCH"),
+    ({}, {"FOLD_COMBINE": "yes"}, "FOLD_COMBINE"),
+    ({}, {"FOLD_COMBINE": True, "TILES": 1, "SPLIT_K": 2}, "FOLD_COMBINE needs one split"),
+    ({}, {"EARLY_PREFETCH": "words", "TILES": 1}, "one loop step"),
+])
+def test_decode_overlap_keys_checked(k, monkeypatch, up, down, match):
+    """A malformed E64 / E65 key is refused by name, as is the fold of a down GEMV split over K."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    E, H, I, T, top_k = 4, 384, 256, 2, 2
+    q_gate_up, q_down = quantized_experts(k, E, H, I, "int4", False, 128, torch.bfloat16)
+    weights, ids = routing("balanced", T, E, top_k)
+    plan = PACKED_PLANS["bcast-ring"]
+    with pytest.raises(ValueError, match=match):
+        k.ops.triton_kernels.experts(torch.randn(T, H).bfloat16(), q_gate_up, q_down, weights, ids,
+                                     torch.empty(T, H, dtype=torch.bfloat16),
+                                     config={"GEMV": True, "gate_up": {**plan, **up}, "down": {**plan, **down}})
+
+
+def test_decode_overlap_keys_need_packed_gemvs(k, monkeypatch):
+    """The keys belong to the packed-fp16 GEMVs: with a format the fp32 GEMVs run (NF4) they are refused."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    E, H, I, T, top_k = 4, 192, 64, 2, 2
+    q_gate_up, q_down = quantized_experts(k, E, H, I, "nf4", False, 64, torch.bfloat16)
+    weights, ids = routing("balanced", T, E, top_k)
+    plan = PACKED_PLANS["bcast-ring"]
+    with pytest.raises(ValueError, match="packed-fp16 GEMVs only"):
+        k.ops.triton_kernels.experts(torch.randn(T, H).bfloat16(), q_gate_up, q_down, weights, ids,
+                                     torch.empty(T, H, dtype=torch.bfloat16),
+                                     config={"GEMV": True, "gate_up": plan, "down": {**plan, "FOLD_COMBINE": True}})
+
+
 DOT_OPERANDS = {  # the tl.dot kernels' operand options for int4 in whole-tile groups: (PACKED, SWAP_AB)
     "packed-swap": (True, True), "packed": (True, False), "fp32-planes-swap": (False, True),
     "fp32-planes": (False, False),

@@ -5,7 +5,7 @@ int4 in scale groups of >= 128 columns or per channel, 16-bit activations)."""
 import triton
 import triton.language as tl
 
-from .tiles import _MAGIC, _MAGIC_BITS, _WORDS, _pdl_launch_dependents, _pdl_wait, _quant_bases
+from .tiles import _MAGIC, _MAGIC_BITS, _WORDS, _l2_prefetch, _pdl_launch_dependents, _pdl_wait, _quant_bases
 
 
 # The fp32 GEMVs (T <= GEMV_MAX_TOKENS): one program per (token, slot) pair and block of output rows, no
@@ -357,10 +357,52 @@ def _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, x_unscale, 
 
 
 @triton.jit
+def _h2_words(w_src, rows, w_row, tile, ok, step_first, stride_qn, W_DESC: tl.constexpr):
+    """The [BLOCK_N, TILES, 16] words of rows `rows` at K-tiles `tile` (the first is `step_first`): a TMA box from
+    the descriptor `w_src` at descriptor row `w_row` (past the last tile: zeros), or masked pointer loads."""
+    if W_DESC:
+        w = w_src.load([w_row, step_first, 0])
+    else:
+        col = tl.arange(0, _WORDS)
+        ptrs = w_src + rows[:, None, None] * stride_qn + tile[None, :, None] * _WORDS + col[None, None, :]
+        w = tl.load(ptrs, mask=ok[:, :, None], other=0, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg, zlo, zhi, zlo_b, zhi_b,
+             BLOCK_N: tl.constexpr, TWO: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
+             X_SCALED: tl.constexpr, X_BCAST: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr):
+    """One step of `_h2_rows`: x at the step's tiles as packed fp16 pairs (made fp16 per tile where X_SCALED), and
+    the terms of words `w` (and with TWO `w_b`; else the second result repeats the first)."""
+    col = tl.arange(0, _WORDS)
+    k0 = tile[None, :, None] * 128 + col[None, None, :]
+    if not X_BCAST:
+        k0 = tl.broadcast_to(k0, (BLOCK_N, tile.shape[0], _WORDS))
+    scale = 1.0
+    unscale = 1.0
+    if X_SCALED:
+        scale = _x_tile_scales(x_row, k0, K, MASK)
+        # a power of two: the inverse is exact, and one reciprocal per tile replaces a division per row and tile
+        unscale = 1.0 / scale
+    xp0 = _x_pair(x_row, k0, K, scale, 0, X_SCALED, MASK)
+    xp1 = _x_pair(x_row, k0, K, scale, 1, X_SCALED, MASK)
+    xp2 = _x_pair(x_row, k0, K, scale, 2, X_SCALED, MASK)
+    xp3 = _x_pair(x_row, k0, K, scale, 3, X_SCALED, MASK)
+    part = _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, unscale, xp0, xp1, xp2, xp3, HAS_ZERO,
+                    GROUP, X_SCALED, EMULATE)
+    part_b = part
+    if TWO:
+        part_b = _h2_tile(w_b, s_base, z_base, tile, rows_b, ok, stride_sg, zlo_b, zhi_b, unscale, xp0, xp1, xp2, xp3,
+                          HAS_ZERO, GROUP, X_SCALED, EMULATE)
+    return part, part_b
+
+
+@triton.jit
 def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K, first, per_split, stride_qn,
-             stride_sg, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
+             stride_sg, w_pre, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
              HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
-             W_DESC: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr):
+             W_DESC: tl.constexpr, MASK: tl.constexpr, PRELOADED: tl.constexpr, EMULATE: tl.constexpr):
     """fp32 [BLOCK_N] dot products of x_row with weight rows `rows` over K-tiles [first, first + per_split), by
     `_H2_ASM`; TWO: also rows `rows_b` in the same loop (the up rows of a gate / up pair).
 
@@ -368,10 +410,10 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
     boxes of [BLOCK_N, TILES, 16] from the descriptor `w_src` at descriptor rows `w_row` / `w_row_b`; boxes past
     the last tile read as zeros). X_BCAST: x as [1, TILES, 16], broadcast over the rows in the dot (a thread then
     holds all BLOCK_N rows of its word positions and loads each x once); else x in the weight tile's shape.
-    MASK: some loop step reaches past K or past the last tile."""
+    MASK: some loop step reaches past K or past the last tile. PRELOADED (one step, not TWO): the caller loaded
+    its words `w_pre` (`_h2_words`), before its PDL wait (E64's "words")."""
     num_tiles = tl.cdiv(K, 128)
     tile_ar = tl.arange(0, TILES)
-    col = tl.arange(0, _WORDS)
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
     zlo = tl.full([BLOCK_N, TILES, _WORDS], _ZLO_SYM, tl.int32)
@@ -383,40 +425,24 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
         if TWO:
             zero_b = tl.load(z_base + rows_b, mask=n_ok, other=0).to(tl.int32)[:, None, None]
             zlo_b, zhi_b = _h2_zero_pairs(tl.broadcast_to(zero_b, (BLOCK_N, TILES, _WORDS)), EMULATE)
-    if not W_DESC:
-        w_ptrs = w_src + rows[:, None, None] * stride_qn + col[None, None, :]
-        w_ptrs_b = w_src + rows_b[:, None, None] * stride_qn + col[None, None, :]
-    for it in tl.range(0, per_split, TILES, num_stages=STAGES):
-        tile = first + it + tile_ar
-        live = tile < num_tiles
-        ok = n_ok[:, None] & live[None, :]
-        if W_DESC:
-            w = w_src.load([w_row, first + it, 0])
+    if PRELOADED:
+        tile = first + tile_ar
+        ok = n_ok[:, None] & (tile < num_tiles)[None, :]
+        acc, _ = _h2_step(x_row, w_pre, w_pre, s_base, z_base, tile, rows, rows, ok, K, stride_sg, zlo, zhi, zlo, zhi,
+                          BLOCK_N, False, HAS_ZERO, GROUP, X_SCALED, X_BCAST, MASK, EMULATE)
+    else:
+        for it in tl.range(0, per_split, TILES, num_stages=STAGES):
+            tile = first + it + tile_ar
+            ok = n_ok[:, None] & (tile < num_tiles)[None, :]
+            w = _h2_words(w_src, rows, w_row, tile, ok, first + it, stride_qn, W_DESC)
+            w_b = w
             if TWO:
-                w_b = w_src.load([w_row_b, first + it, 0])
-        else:
-            offs = tile[None, :, None] * _WORDS
-            w = tl.load(w_ptrs + offs, mask=ok[:, :, None], other=0, eviction_policy="evict_first")
+                w_b = _h2_words(w_src, rows_b, w_row_b, tile, ok, first + it, stride_qn, W_DESC)
+            part, part_b = _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg, zlo, zhi,
+                                    zlo_b, zhi_b, BLOCK_N, TWO, HAS_ZERO, GROUP, X_SCALED, X_BCAST, MASK, EMULATE)
+            acc += part
             if TWO:
-                w_b = tl.load(w_ptrs_b + offs, mask=ok[:, :, None], other=0, eviction_policy="evict_first")
-        k0 = tile[None, :, None] * 128 + col[None, None, :]
-        if not X_BCAST:
-            k0 = tl.broadcast_to(k0, (BLOCK_N, TILES, _WORDS))
-        scale = 1.0
-        unscale = 1.0
-        if X_SCALED:
-            scale = _x_tile_scales(x_row, k0, K, MASK)
-            # a power of two: the inverse is exact, and one reciprocal per tile replaces a division per row and tile
-            unscale = 1.0 / scale
-        xp0 = _x_pair(x_row, k0, K, scale, 0, X_SCALED, MASK)
-        xp1 = _x_pair(x_row, k0, K, scale, 1, X_SCALED, MASK)
-        xp2 = _x_pair(x_row, k0, K, scale, 2, X_SCALED, MASK)
-        xp3 = _x_pair(x_row, k0, K, scale, 3, X_SCALED, MASK)
-        acc += _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, unscale, xp0, xp1, xp2, xp3, HAS_ZERO,
-                        GROUP, X_SCALED, EMULATE)
-        if TWO:
-            acc_b += _h2_tile(w_b, s_base, z_base, tile, rows_b, ok, stride_sg, zlo_b, zhi_b, unscale, xp0, xp1, xp2,
-                              xp3, HAS_ZERO, GROUP, X_SCALED, EMULATE)
+                acc_b += part_b
     return _row_results(acc, acc_b, s_base, rows, rows_b, n_ok, 16.0, GROUP)  # the words' dots were / 16
 
 
@@ -432,19 +458,38 @@ def _h2_block(w_ptr, e64, stride_we, BLOCK_N: tl.constexpr, W_DESC: tl.constexpr
     return first_row, rows, w_src
 
 
+@triton.jit
+def _zero_counts(counts_ptr, p, count_blocks, TOP_K: tl.constexpr):
+    """The first program of each token (its first pair, first row block) zeroes the token's `count_blocks` arrival
+    counts of `_fold_combine`: the down GEMV touches them only after its wait for this grid."""
+    if (p % TOP_K == 0) & (tl.program_id(1) == 0):
+        base = counts_ptr + (p // TOP_K).to(tl.int64) * count_blocks
+        for i in range(0, count_blocks, 128):
+            offs = i + tl.arange(0, 128)
+            tl.store(base + offs, tl.zeros([128], dtype=tl.int32), mask=offs < count_blocks)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gate_up_h2_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr,
-    T, H, I, num_experts, rows_per_expert, stride_xt, stride_we, stride_wn, stride_se, stride_sg, stride_it,
+    x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr, counts_ptr,
+    T, H, I, num_experts, rows_per_expert, count_blocks, stride_xt, stride_we, stride_wn, stride_se, stride_sg,
+    stride_it,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
-    W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr,
+    W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, TRIGGER_START: tl.constexpr,
+    ZERO_COUNTS: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """`_gate_up_gemv_kernel` with the packed-fp16 dot (`_h2_rows`); W_DESC: w_ptr is a TMA descriptor over all
     experts' words as [E * Np, tiles, 16] (expert e's rows from e * rows_per_expert). PDL: launched as a
-    programmatic dependent of the routing (`_pdl_wait`), and lets the down GEMV launch once its K loop is done."""
+    programmatic dependent of the routing (`_pdl_wait`), and lets the down GEMV launch once its K loop is done, or
+    with TRIGGER_START right after its wait (E64). ZERO_COUNTS: zeroes the down GEMV's arrival counts first
+    (`_zero_counts`, for its FOLD)."""
     _pdl_wait(PDL)
+    if TRIGGER_START:
+        _pdl_launch_dependents(PDL)
     p = tl.program_id(0)
+    if ZERO_COUNTS:
+        _zero_counts(counts_ptr, p, count_blocks, TOP_K)
     e = tl.load(ids_ptr + p)
     if (e >= 0) & (e < num_experts):  # other ids select nothing; the combine skips their pairs
         e64 = e.to(tl.int64)
@@ -453,37 +498,104 @@ def _gate_up_h2_kernel(
         w_row = e * rows_per_expert + first_row
         gate, up = _h2_rows(x_ptr + (p // TOP_K).to(tl.int64) * stride_xt, w_src, s_ptr + e64 * stride_se,
                             z_ptr + e64 * stride_se, rows, rows + I, w_row, w_row + I, n_ok, H, 0, tl.cdiv(H, 128),
-                            stride_wn, stride_sg, BLOCK_N, TILES, STAGES, True, HAS_ZERO, GROUP, X_SCALED, X_BCAST,
-                            W_DESC, MASK, EMULATE)
-        _pdl_launch_dependents(PDL)
+                            stride_wn, stride_sg, 0, BLOCK_N, TILES, STAGES, True, HAS_ZERO, GROUP, X_SCALED, X_BCAST,
+                            W_DESC, MASK, False, EMULATE)
+        if not TRIGGER_START:
+            _pdl_launch_dependents(PDL)
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(inter_ptr + p.to(tl.int64) * stride_it + rows, act.to(inter_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _down_prefetch(wq_ptr, s_ptr, z_ptr, e64, first_row, H, K, first, per_split, stride_we, stride_wn, stride_se,
+                   stride_sg, BLOCK_N: tl.constexpr, TILES: tl.constexpr, HAS_ZERO: tl.constexpr,
+                   GROUP: tl.constexpr, EMULATE: tl.constexpr):
+    """Starts a down program's own words (its rows over K-tiles [first, first + per_split)) and their scale / zero
+    rows into L2 (E64). Rows and tiles past the ends are clamped to the last, which is only a repeated hint."""
+    rows = tl.minimum(first_row + tl.arange(0, BLOCK_N), H - 1).to(tl.int64)
+    last_tile = tl.cdiv(K, 128) - 1
+    words = wq_ptr + e64 * stride_we + rows[:, None] * stride_wn
+    for it in range(0, per_split, TILES):
+        tile = tl.minimum(first + it + tl.arange(0, TILES), last_tile)
+        _l2_prefetch(words + tile[None, :] * _WORDS, EMULATE)  # one 64-byte tile row each
+        if GROUP != -1:  # the block's 16-32 scales of a group lie on one line
+            group_row = (tile // (GROUP // 128)).to(tl.int64) * stride_sg + first_row
+            _l2_prefetch(s_ptr + e64 * stride_se + group_row, EMULATE)
+            if HAS_ZERO:
+                _l2_prefetch(z_ptr + e64 * stride_se + group_row, EMULATE)
+    if GROUP == -1:
+        _l2_prefetch(s_ptr + e64 * stride_se + first_row + tl.zeros([1], dtype=tl.int64), EMULATE)
+
+
+@triton.jit
+def _fold_combine(pair_out_ptr, ids_ptr, counts_ptr, out_ptr, p, rows, n_ok, num_experts, stride_pt, stride_ot,
+                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """E65: the combine folded into the down GEMV. Every program of a token's pairs counts itself on the token's
+    arrival count of its row block (after a CTA barrier: all its threads' stores first; acq_rel: the others'
+    stores seen); the last to arrive adds the pairs' rows in slot order exactly as `_combine_kernel` does (one
+    split), through L2 (`.cg`), and writes the token's output rows. A token whose pairs select nothing gets zeros."""
+    tl.debug_barrier()
+    t = p // TOP_K
+    arrived = tl.atomic_add(counts_ptr + t.to(tl.int64) * tl.num_programs(1) + tl.program_id(1), 1, sem="acq_rel")
+    if arrived == TOP_K - 1:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            pair = t * TOP_K + j
+            e = tl.load(ids_ptr + pair)
+            picked = (e >= 0) & (e < num_experts)
+            row = tl.load(pair_out_ptr + pair.to(tl.int64) * stride_pt + rows, mask=n_ok, other=0.0,
+                          cache_modifier=".cg").to(tl.float32)
+            acc += tl.where(picked, row, 0.0)  # rows of unpicked pairs were never written
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + rows, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _down_h2_kernel(
-    inter_ptr, w_ptr, s_ptr, z_ptr, pair_out_ptr, ids_ptr, topk_w_ptr,
+    inter_ptr, w_ptr, wq_ptr, s_ptr, z_ptr, pair_out_ptr, ids_ptr, topk_w_ptr, counts_ptr, out_ptr,
     T, H, I, num_experts, rows_per_expert, tiles_per_split, stride_it, stride_we, stride_wn, stride_se, stride_sg,
-    stride_pt, stride_split,
-    BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+    stride_pt, stride_split, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
-    W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr,
+    W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, FOLD: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """`_down_gemv_kernel` with the packed-fp16 dot, split over K on grid axis 2: split s writes its fp32 partial
-    sums to pair_out[s] (the combine adds the splits). PDL as in `_gate_up_h2_kernel` (the combine after it)."""
-    _pdl_wait(PDL)
+    sums to pair_out[s] (the combine adds the splits). PDL as in `_gate_up_h2_kernel` (the combine after it).
+    EARLY (E64): before its wait the program reads its pair's expert (the ids were written before the gate/up
+    grid passed its own wait) and, 1: starts its own words into L2 from `wq_ptr` (the raw words), 2: loads the
+    words of its one loop step (the weights never depend on the gate/up GEMV). FOLD (E65, one split): `_fold_combine` writes `out_ptr`, no combine launch follows."""
     p = tl.program_id(0)
-    e = tl.load(ids_ptr + p)
+    split = tl.program_id(2)
+    first = split * tiles_per_split
+    w_pre = 0
+    if EARLY > 0:
+        e = tl.load(ids_ptr + p)
+        if EARLY == 1:
+            if (e >= 0) & (e < num_experts):
+                _down_prefetch(wq_ptr, s_ptr, z_ptr, e.to(tl.int64), tl.program_id(1) * BLOCK_N, H, I, first,
+                               tiles_per_split, stride_we, stride_wn, stride_se, stride_sg, BLOCK_N, TILES, HAS_ZERO,
+                               GROUP, EMULATE)
+        else:  # the one step's words themselves (an unpicked pair reads expert 0's, unused)
+            e_in = tl.minimum(tl.maximum(e, 0), num_experts - 1)
+            first_row, rows, w_src = _h2_block(w_ptr, e_in.to(tl.int64), stride_we, BLOCK_N, W_DESC)
+            tile = first + tl.arange(0, TILES)
+            ok = (rows < H)[:, None] & (tile < tl.cdiv(I, 128))[None, :]
+            w_pre = _h2_words(w_src, rows, e_in * rows_per_expert + first_row, tile, ok, first, stride_wn, W_DESC)
+    _pdl_wait(PDL)
+    if EARLY == 0:
+        e = tl.load(ids_ptr + p)
+    first_row, rows, w_src = _h2_block(w_ptr, e.to(tl.int64), stride_we, BLOCK_N, W_DESC)
+    n_ok = rows < H
     if (e >= 0) & (e < num_experts):
         e64 = e.to(tl.int64)
-        first_row, rows, w_src = _h2_block(w_ptr, e64, stride_we, BLOCK_N, W_DESC)
-        n_ok = rows < H
-        split = tl.program_id(2)
         acc, _ = _h2_rows(inter_ptr + p.to(tl.int64) * stride_it, w_src, s_ptr + e64 * stride_se,
                           z_ptr + e64 * stride_se, rows, rows, e * rows_per_expert + first_row, 0, n_ok, I,
-                          split * tiles_per_split, tiles_per_split, stride_wn, stride_sg, BLOCK_N, TILES, STAGES,
-                          False, HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, EMULATE)
+                          first, tiles_per_split, stride_wn, stride_sg, w_pre, BLOCK_N, TILES, STAGES, False,
+                          HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, EARLY == 2, EMULATE)
         _pdl_launch_dependents(PDL)
         acc *= tl.load(topk_w_ptr + p).to(tl.float32)
         tl.store(pair_out_ptr + split.to(tl.int64) * stride_split + p.to(tl.int64) * stride_pt + rows,
                  acc.to(pair_out_ptr.dtype.element_ty), mask=n_ok)
+    if FOLD:
+        _fold_combine(pair_out_ptr, ids_ptr, counts_ptr, out_ptr, p, rows, n_ok, num_experts, stride_pt, stride_ot,
+                      TOP_K, BLOCK_N)

@@ -166,10 +166,25 @@ def _words_arg(w: QuantizedExperts, plan: dict):
     return TensorDescriptor(q, [e * np_, words // 16, 16], [words, 16, 1], [plan["BLOCK_N"], plan["TILES"], 16])
 
 
+def _plan_choice(plan: dict, key: str, choices: tuple, default):
+    """plan[key] (default when absent), refused by name unless one of `choices`."""
+    value = plan.get(key, default)
+    if value not in choices:
+        raise ValueError(f"config: {key} must be one of {choices}, got {value!r}")
+    return value
+
+
 def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExperts, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor, up: dict, down: dict) -> torch.Tensor:
+           topk_ids: torch.Tensor, up: dict, down: dict, out: torch.Tensor) -> torch.Tensor | None:
     """The two expert GEMVs of a few tokens (one program per (token, slot) pair and block of output rows); returns
-    the pairs' weighted outputs [P, H], or [splits, P, H] fp32 partial sums of a down GEMV split over K."""
+    the pairs' weighted outputs [P, H], or [splits, P, H] fp32 partial sums of a down GEMV split over K, or None
+    where the down plan's FOLD_COMBINE had the down GEMV write `out` itself (E65).
+
+    Plan keys of the packed GEMVs' dependent launches (E64 / E65, measured on the design page): the gate/up plan's
+    "PDL_TRIGGER" ("end", the default: the down grid launches after each program's K loop; "start": right after
+    its wait), the down plan's "EARLY_PREFETCH" (False; "lines": its own words into L2 before its wait; "words":
+    the words of its one loop step loaded before its wait) and
+    "FOLD_COMBINE" (one split only)."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
     num_pairs, intermediate, num_routed = T * top_k, w_down.shape[1], w_down.num_experts
@@ -177,11 +192,29 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     dn_ptrs, dn_strides, dn_format = _weight_args(w_down)
     # fp32 intermediate: the down GEMVs' x then needs no rounding before its own (exact or per-tile) conversion
     inter = torch.empty(num_pairs, intermediate, dtype=torch.float32, device=x.device)
-    if packed_gemv(w_gate_up, x.dtype):
+    packed_up, packed_down = packed_gemv(w_gate_up, x.dtype), packed_gemv(w_down, x.dtype)
+    trigger = _plan_choice(up, "PDL_TRIGGER", ("end", "start"), "end")
+    early = _plan_choice(down, "EARLY_PREFETCH", (False, "lines", "words"), False)
+    fold = _plan_choice(down, "FOLD_COMBINE", (False, True), False)
+    num_tiles = triton.cdiv(intermediate, 128)
+    per_split = triton.cdiv(triton.cdiv(num_tiles, down.get("SPLIT_K", 1)), down["TILES"]) * down["TILES"]
+    splits = triton.cdiv(num_tiles, per_split)
+    if (trigger != "end" or early or fold) and not (packed_up and packed_down):
+        raise ValueError("config: PDL_TRIGGER, EARLY_PREFETCH and FOLD_COMBINE apply to the packed-fp16 GEMVs only")
+    if early == "words" and per_split != down["TILES"]:
+        raise ValueError("config: EARLY_PREFETCH 'words' needs a down GEMV of one loop step (its K range of at most "
+                         f"TILES = {down['TILES']} tiles), got {per_split} tiles a split")
+    if fold and splits > 1:
+        raise ValueError(f"config: FOLD_COMBINE needs one split of the down GEMV, got SPLIT_K {down['SPLIT_K']}")
+    down_blocks = triton.cdiv(H, down["BLOCK_N"])
+    # the fold's arrival counts (zeroed by the gate/up GEMV); without it topk_ids stands in, never read
+    counts = torch.empty(T * down_blocks, dtype=torch.int32, device=x.device) if fold else topk_ids
+    if packed_up:
         _gate_up_h2_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
-            x, _words_arg(w_gate_up, up), *gu_ptrs[:2], inter, topk_ids,
-            T, H, intermediate, num_routed, w_gate_up.padded_shape[0], x.stride(0), *gu_strides, inter.stride(0),
-            TOP_K=top_k, **_h2_flags(up, x.dtype, H, triton.cdiv(H, 128), gu_format, x.device),
+            x, _words_arg(w_gate_up, up), *gu_ptrs[:2], inter, topk_ids, counts,
+            T, H, intermediate, num_routed, w_gate_up.padded_shape[0], down_blocks, x.stride(0), *gu_strides,
+            inter.stride(0), TOP_K=top_k, TRIGGER_START=trigger == "start", ZERO_COUNTS=fold,
+            **_h2_flags(up, x.dtype, H, triton.cdiv(H, 128), gu_format, x.device),
         )
     else:
         _gate_up_gemv_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
@@ -190,7 +223,7 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
             TOP_K=top_k, BLOCK_N=up["BLOCK_N"], TILES=up["TILES"], STAGES=up["num_stages"],
             EVEN_K=H % (128 * up["TILES"]) == 0, num_warps=up["num_warps"], **_gemv_format(gu_format),
         )
-    if not packed_gemv(w_down, x.dtype):
+    if not packed_down:
         pair_out = torch.empty(num_pairs, H, dtype=x.dtype, device=x.device)
         _down_gemv_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]))](
             inter, _words(w_down), *dn_ptrs, pair_out, topk_ids, topk_weights,
@@ -200,19 +233,17 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
             **_gemv_format(dn_format),
         )
         return pair_out
-    num_tiles = triton.cdiv(intermediate, 128)
-    per_split = triton.cdiv(triton.cdiv(num_tiles, down.get("SPLIT_K", 1)), down["TILES"]) * down["TILES"]
-    splits = triton.cdiv(num_tiles, per_split)
     # one split writes the pairs' outputs in the activations' dtype; more write fp32 partials the combine adds
     pair_out = (torch.empty(num_pairs, H, dtype=x.dtype, device=x.device) if splits == 1 else
                 torch.empty(splits, num_pairs, H, dtype=torch.float32, device=x.device))
-    _down_h2_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]), splits)](
-        inter, _words_arg(w_down, down), *dn_ptrs[:2], pair_out, topk_ids, topk_weights,
+    _down_h2_kernel[(num_pairs, down_blocks, splits)](
+        inter, _words_arg(w_down, down), w_down.qweight, *dn_ptrs[:2], pair_out, topk_ids, topk_weights, counts, out,
         T, H, intermediate, num_routed, w_down.padded_shape[0], per_split, inter.stride(0), *dn_strides,
-        pair_out.stride(-2), pair_out.stride(0) if splits > 1 else 0,
+        pair_out.stride(-2), pair_out.stride(0) if splits > 1 else 0, out.stride(0),
+        TOP_K=top_k, EARLY={False: 0, "lines": 1, "words": 2}[early], FOLD=fold,
         **_h2_flags(down, inter.dtype, intermediate, per_split, dn_format, x.device),
     )
-    return pair_out
+    return None if fold else pair_out
 
 
 def _streams(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, shared_gu: torch.Tensor,
@@ -532,7 +563,9 @@ def experts(hidden_states: torch.Tensor, w_gate_up, w_down,
     combine_pdl = False  # whether the combine launches as a dependent of the down kernel
     with _device_guard(hidden_states):
         if gemv:
-            pair_out = _gemvs(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, up, down)
+            pair_out = _gemvs(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, up, down, out)
+            if pair_out is None:  # the down GEMV wrote out (FOLD_COMBINE)
+                return out
             combine_pdl = _pdl(down, device)
         elif T == 1 and not quant and "STREAM" in config:
             combine_pdl = _streams(hidden_states, w_gate_up, w_down, shared_gu, shared_dn, topk_weights, topk_ids,
