@@ -293,15 +293,14 @@ def test_packed_gemv_plans(k, monkeypatch, plan, fmt_name, dtype):
     assert_close(out, quantized_reference(k, x, q_gate_up, q_down, kept, ids.clamp(max=E - 1)), dtype)
 
 
-# E64 / E65's plan keys on the packed GEMVs (docs/design/moe-dispatch.md): hints, early loads and launch order
-# (E64), the combine folded into the down GEMV (E65). The interpreter runs programs one after another and skips the L2
-# prefetches, so here they can only show the arithmetic unchanged; the GPU test checks the ordering.
+# E64 / E65's plan keys on the packed GEMVs (docs/design/moe-dispatch.md): early loads and launch order (E64), the
+# combine folded into the down GEMV (E65). The interpreter runs programs one after another, so here they can only
+# show the arithmetic unchanged; the GPU test checks the ordering.
 OVERLAP_VARIANTS = {
     "trigger-start": ({"PDL_TRIGGER": "start"}, {}),
-    "early-lines": ({}, {"EARLY_PREFETCH": "lines"}),
-    "early-words": ({}, {"EARLY_PREFETCH": "words"}),
+    "preload": ({}, {"PRELOAD_WORDS": True}),
     "fold": ({}, {"FOLD_COMBINE": True}),
-    "start-words-fold": ({"PDL_TRIGGER": "start"}, {"EARLY_PREFETCH": "words", "FOLD_COMBINE": True}),
+    "start-preload-fold": ({"PDL_TRIGGER": "start"}, {"PRELOAD_WORDS": True, "FOLD_COMBINE": True}),
 }
 
 
@@ -336,10 +335,10 @@ def test_decode_overlap_bit_equal(k, monkeypatch, variant, fmt_name, dtype):
 
 @pytest.mark.parametrize("up,down,match", [
     ({"PDL_TRIGGER": "middle"}, {}, "PDL_TRIGGER"),
-    ({}, {"EARLY_PREFETCH": "bulk"}, "EARLY_PREFETCH"),
+    ({}, {"PRELOAD_WORDS": "lines"}, "PRELOAD_WORDS"),
     ({}, {"FOLD_COMBINE": "yes"}, "FOLD_COMBINE"),
     ({}, {"FOLD_COMBINE": True, "TILES": 1, "SPLIT_K": 2}, "FOLD_COMBINE needs one split"),
-    ({}, {"EARLY_PREFETCH": "words", "TILES": 1}, "one loop step"),
+    ({}, {"PRELOAD_WORDS": True, "TILES": 1}, "one loop step"),
 ])
 def test_decode_overlap_keys_checked(k, monkeypatch, up, down, match):
     """A malformed E64 / E65 key is refused by name, as is the fold of a down GEMV split over K."""
@@ -551,6 +550,23 @@ def test_packed_gemv_cut(k):
     assert tk.default_config(16, *deepseek[:3], deepseek[3], cpu, quantized=True, packed=True)["GEMV"]
     assert "GEMV" not in tk.default_config(17, *deepseek[:3], deepseek[3], cpu, quantized=True, packed=True)
     assert "GEMV" not in tk.default_config(8, *deepseek[:3], deepseek[3], cpu, quantized=True)  # fp32 GEMV: T <= 4
+
+
+def test_small_experts_overlap_by_default(k):
+    """E64 / E65's keys are the packed GEMVs' default only where the down GEMV is one 8-tile loop step (I <= 1024:
+    Qwen3-30B-A3B's 768), the case runs 157 / 159 measured them faster on, and the fold only up to FOLD_MAX_TOKENS
+    tokens; Mixtral's and DeepSeek-V3's plans stay without."""
+    tk, cpu = k.ops.triton_kernels, torch.device("cpu")
+    fold_max = tk.configs.FOLD_MAX_TOKENS
+    for intermediate in (768, 1024, 1025, 2048, 14336):
+        for tokens in (1, fold_max, fold_max + 1, 16):
+            config = tk.default_config(tokens, 128, 2048, intermediate, 8, cpu, quantized=True, packed=True)
+            keys = ({key for key in config["gate_up"] if key == "PDL_TRIGGER"}
+                    | {key for key in config["down"] if key in ("PRELOAD_WORDS", "FOLD_COMBINE")})
+            want = set()
+            if intermediate <= 1024:
+                want = {"PDL_TRIGGER", "PRELOAD_WORDS"} | ({"FOLD_COMBINE"} if tokens <= fold_max else set())
+            assert keys == want, (intermediate, tokens)
 
 
 def test_sentinel_ids_with_allow_sentinel(k, path):

@@ -110,18 +110,15 @@ def test_packed_gemv_plans(k, plan, name, dtype, T):
     assert rel_error(out, ref) <= TOL
 
 
-# E64 / E65 (docs/design/moe-dispatch.md): the gate/up GEMV's trigger at its start, the down GEMV's own words into
-# L2 or into registers before its wait, the combine folded into the down GEMV. None may change a bit: a down program that read the
+# E64 / E65 (docs/design/moe-dispatch.md): the gate/up GEMV's trigger at its start, the down GEMV's words loaded
+# before its wait, the combine folded into the down GEMV. None may change a bit: a down program that read the
 # intermediate before the gate/up grid wrote it, or a fold that summed before the other pairs' rows landed, would.
 OVERLAP_VARIANTS = {
     "start": ({"PDL_TRIGGER": "start"}, {}),
-    "early": ({}, {"EARLY_PREFETCH": "lines"}),
-    "start-early": ({"PDL_TRIGGER": "start"}, {"EARLY_PREFETCH": "lines"}),
-    "words": ({}, {"EARLY_PREFETCH": "words"}),
-    "start-words": ({"PDL_TRIGGER": "start"}, {"EARLY_PREFETCH": "words"}),
+    "preload": ({}, {"PRELOAD_WORDS": True}),
+    "start-preload": ({"PDL_TRIGGER": "start"}, {"PRELOAD_WORDS": True}),
     "fold": ({}, {"FOLD_COMBINE": True}),
-    "start-early-fold": ({"PDL_TRIGGER": "start"}, {"EARLY_PREFETCH": "lines", "FOLD_COMBINE": True}),
-    "start-words-fold": ({"PDL_TRIGGER": "start"}, {"EARLY_PREFETCH": "words", "FOLD_COMBINE": True}),
+    "start-preload-fold": ({"PDL_TRIGGER": "start"}, {"PRELOAD_WORDS": True, "FOLD_COMBINE": True}),
 }
 
 

@@ -14,6 +14,7 @@ DECODE_MAX_TOKENS = 16  # up to this many tokens one 16-row tile holds them all:
 GEMV_MAX_TOKENS = 4  # 4-bit experts up to this many tokens: the GEMV kernels (gemv.py)
 STREAM_MAX_INTERMEDIATE = 4096  # 16-bit experts of at most this intermediate size: one token on the stream kernels
 PACKED_GEMV_MAX_TOKENS = 16  # the same for formats of the packed-fp16 GEMVs (`launch.packed_gemv`)
+FOLD_MAX_TOKENS = 4  # up to this many tokens a one-step packed down GEMV does the combine itself (FOLD_COMBINE)
 # Up to this many tokens the router logits come from `_router_gemv_kernel`, ROUTER_BLOCK_E router rows per program
 # over all of H in tiles of ROUTER_GEMV_ELEMENTS products; cuBLAS took 4-6 us for these GEMVs on the H100 (run 82),
 # from 64 KB of router (Mixtral-8x7B) to 3.7 MB (DeepSeek-V3).
@@ -112,6 +113,16 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
             # docs/design/moe-dispatch.md); split-K never helped
             plan = {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 8, "num_warps": 2, "num_stages": 3, "X_BCAST": True,
                     "TMA": True, "PDL": True}
+            if triton.cdiv(intermediate, 128) <= plan["TILES"]:
+                # small experts, whose down GEMV is one loop step: the down grid launches once the gate/up programs
+                # pass their wait and loads its words while that grid drains; up to FOLD_MAX_TOKENS tokens its last
+                # arrivals also do the combine. On the H100 (runs 157 / 159, docs/design/moe-dispatch.md E64 / E65)
+                # Qwen3-30B-A3B ran 1.08x / 1.24x / 1.16x at T = 1 / 2 / 4 with the fold, 1.19x / 1.20x at T = 8 /
+                # 16 without (0.98x with); the trigger alone lost 9 % on Mixtral, where the preload does not apply
+                down = {**plan, "PRELOAD_WORDS": True}
+                if tokens <= FOLD_MAX_TOKENS:
+                    down["FOLD_COMBINE"] = True
+                return {"GEMV": True, "gate_up": {**plan, "PDL_TRIGGER": "start"}, "down": down}
             return {"GEMV": True, "gate_up": plan, "down": plan}
         return _packed_dot_config(tokens, num_experts, hidden, intermediate, top_k)
     if quantized and tokens <= GEMV_MAX_TOKENS:

@@ -5,7 +5,7 @@ int4 in scale groups of >= 128 columns or per channel, 16-bit activations)."""
 import triton
 import triton.language as tl
 
-from .tiles import _MAGIC, _MAGIC_BITS, _WORDS, _l2_prefetch, _pdl_launch_dependents, _pdl_wait, _quant_bases
+from .tiles import _MAGIC, _MAGIC_BITS, _WORDS, _pdl_launch_dependents, _pdl_wait, _quant_bases
 
 
 # The fp32 GEMVs (T <= GEMV_MAX_TOKENS): one program per (token, slot) pair and block of output rows, no
@@ -411,7 +411,7 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
     the last tile read as zeros). X_BCAST: x as [1, TILES, 16], broadcast over the rows in the dot (a thread then
     holds all BLOCK_N rows of its word positions and loads each x once); else x in the weight tile's shape.
     MASK: some loop step reaches past K or past the last tile. PRELOADED (one step, not TWO): the caller loaded
-    its words `w_pre` (`_h2_words`), before its PDL wait (E64's "words")."""
+    its words `w_pre` (`_h2_words`), before its PDL wait (E64's PRELOAD_WORDS)."""
     num_tiles = tl.cdiv(K, 128)
     tile_ar = tl.arange(0, TILES)
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
@@ -507,27 +507,6 @@ def _gate_up_h2_kernel(
 
 
 @triton.jit
-def _down_prefetch(wq_ptr, s_ptr, z_ptr, e64, first_row, H, K, first, per_split, stride_we, stride_wn, stride_se,
-                   stride_sg, BLOCK_N: tl.constexpr, TILES: tl.constexpr, HAS_ZERO: tl.constexpr,
-                   GROUP: tl.constexpr, EMULATE: tl.constexpr):
-    """Starts a down program's own words (its rows over K-tiles [first, first + per_split)) and their scale / zero
-    rows into L2 (E64). Rows and tiles past the ends are clamped to the last, which is only a repeated hint."""
-    rows = tl.minimum(first_row + tl.arange(0, BLOCK_N), H - 1).to(tl.int64)
-    last_tile = tl.cdiv(K, 128) - 1
-    words = wq_ptr + e64 * stride_we + rows[:, None] * stride_wn
-    for it in range(0, per_split, TILES):
-        tile = tl.minimum(first + it + tl.arange(0, TILES), last_tile)
-        _l2_prefetch(words + tile[None, :] * _WORDS, EMULATE)  # one 64-byte tile row each
-        if GROUP != -1:  # the block's 16-32 scales of a group lie on one line
-            group_row = (tile // (GROUP // 128)).to(tl.int64) * stride_sg + first_row
-            _l2_prefetch(s_ptr + e64 * stride_se + group_row, EMULATE)
-            if HAS_ZERO:
-                _l2_prefetch(z_ptr + e64 * stride_se + group_row, EMULATE)
-    if GROUP == -1:
-        _l2_prefetch(s_ptr + e64 * stride_se + first_row + tl.zeros([1], dtype=tl.int64), EMULATE)
-
-
-@triton.jit
 def _fold_combine(pair_out_ptr, ids_ptr, counts_ptr, out_ptr, p, rows, n_ok, num_experts, stride_pt, stride_ot,
                   TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """E65: the combine folded into the down GEMV. Every program of a token's pairs counts itself on the token's
@@ -551,38 +530,32 @@ def _fold_combine(pair_out_ptr, ids_ptr, counts_ptr, out_ptr, p, rows, n_ok, num
 
 @triton.jit(do_not_specialize=["T"])
 def _down_h2_kernel(
-    inter_ptr, w_ptr, wq_ptr, s_ptr, z_ptr, pair_out_ptr, ids_ptr, topk_w_ptr, counts_ptr, out_ptr,
+    inter_ptr, w_ptr, s_ptr, z_ptr, pair_out_ptr, ids_ptr, topk_w_ptr, counts_ptr, out_ptr,
     T, H, I, num_experts, rows_per_expert, tiles_per_split, stride_it, stride_we, stride_wn, stride_se, stride_sg,
     stride_pt, stride_split, stride_ot,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
-    W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, FOLD: tl.constexpr,
+    W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr, FOLD: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
     """`_down_gemv_kernel` with the packed-fp16 dot, split over K on grid axis 2: split s writes its fp32 partial
     sums to pair_out[s] (the combine adds the splits). PDL as in `_gate_up_h2_kernel` (the combine after it).
-    EARLY (E64): before its wait the program reads its pair's expert (the ids were written before the gate/up
-    grid passed its own wait) and, 1: starts its own words into L2 from `wq_ptr` (the raw words), 2: loads the
-    words of its one loop step (the weights never depend on the gate/up GEMV). FOLD (E65, one split): `_fold_combine` writes `out_ptr`, no combine launch follows."""
+    PRELOAD (E64, a K range of one loop step): the program loads that step's words before its wait, while the
+    gate/up grid drains; the weights never depend on it, and the pair's expert id was written before the gate/up
+    grid passed its own wait. FOLD (E65, one split): `_fold_combine` writes `out_ptr`, no combine launch follows."""
     p = tl.program_id(0)
     split = tl.program_id(2)
     first = split * tiles_per_split
     w_pre = 0
-    if EARLY > 0:
+    if PRELOAD:
         e = tl.load(ids_ptr + p)
-        if EARLY == 1:
-            if (e >= 0) & (e < num_experts):
-                _down_prefetch(wq_ptr, s_ptr, z_ptr, e.to(tl.int64), tl.program_id(1) * BLOCK_N, H, I, first,
-                               tiles_per_split, stride_we, stride_wn, stride_se, stride_sg, BLOCK_N, TILES, HAS_ZERO,
-                               GROUP, EMULATE)
-        else:  # the one step's words themselves (an unpicked pair reads expert 0's, unused)
-            e_in = tl.minimum(tl.maximum(e, 0), num_experts - 1)
-            first_row, rows, w_src = _h2_block(w_ptr, e_in.to(tl.int64), stride_we, BLOCK_N, W_DESC)
-            tile = first + tl.arange(0, TILES)
-            ok = (rows < H)[:, None] & (tile < tl.cdiv(I, 128))[None, :]
-            w_pre = _h2_words(w_src, rows, e_in * rows_per_expert + first_row, tile, ok, first, stride_wn, W_DESC)
+        e_in = tl.minimum(tl.maximum(e, 0), num_experts - 1)  # an unpicked pair reads expert 0's words, unused
+        first_row, rows, w_src = _h2_block(w_ptr, e_in.to(tl.int64), stride_we, BLOCK_N, W_DESC)
+        tile = first + tl.arange(0, TILES)
+        ok = (rows < H)[:, None] & (tile < tl.cdiv(I, 128))[None, :]
+        w_pre = _h2_words(w_src, rows, e_in * rows_per_expert + first_row, tile, ok, first, stride_wn, W_DESC)
     _pdl_wait(PDL)
-    if EARLY == 0:
+    if not PRELOAD:
         e = tl.load(ids_ptr + p)
     first_row, rows, w_src = _h2_block(w_ptr, e.to(tl.int64), stride_we, BLOCK_N, W_DESC)
     n_ok = rows < H
@@ -591,7 +564,7 @@ def _down_h2_kernel(
         acc, _ = _h2_rows(inter_ptr + p.to(tl.int64) * stride_it, w_src, s_ptr + e64 * stride_se,
                           z_ptr + e64 * stride_se, rows, rows, e * rows_per_expert + first_row, 0, n_ok, I,
                           first, tiles_per_split, stride_wn, stride_sg, w_pre, BLOCK_N, TILES, STAGES, False,
-                          HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, EARLY == 2, EMULATE)
+                          HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, PRELOAD, EMULATE)
         _pdl_launch_dependents(PDL)
         acc *= tl.load(topk_w_ptr + p).to(tl.float32)
         tl.store(pair_out_ptr + split.to(tl.int64) * stride_split + p.to(tl.int64) * stride_pt + rows,

@@ -182,8 +182,7 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
 
     Plan keys of the packed GEMVs' dependent launches (E64 / E65, measured on the design page): the gate/up plan's
     "PDL_TRIGGER" ("end", the default: the down grid launches after each program's K loop; "start": right after
-    its wait), the down plan's "EARLY_PREFETCH" (False; "lines": its own words into L2 before its wait; "words":
-    the words of its one loop step loaded before its wait) and
+    its wait), the down plan's "PRELOAD_WORDS" (the words of its one loop step loaded before its wait) and
     "FOLD_COMBINE" (one split only)."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
@@ -194,15 +193,15 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     inter = torch.empty(num_pairs, intermediate, dtype=torch.float32, device=x.device)
     packed_up, packed_down = packed_gemv(w_gate_up, x.dtype), packed_gemv(w_down, x.dtype)
     trigger = _plan_choice(up, "PDL_TRIGGER", ("end", "start"), "end")
-    early = _plan_choice(down, "EARLY_PREFETCH", (False, "lines", "words"), False)
+    preload = _plan_choice(down, "PRELOAD_WORDS", (False, True), False)
     fold = _plan_choice(down, "FOLD_COMBINE", (False, True), False)
     num_tiles = triton.cdiv(intermediate, 128)
     per_split = triton.cdiv(triton.cdiv(num_tiles, down.get("SPLIT_K", 1)), down["TILES"]) * down["TILES"]
     splits = triton.cdiv(num_tiles, per_split)
-    if (trigger != "end" or early or fold) and not (packed_up and packed_down):
-        raise ValueError("config: PDL_TRIGGER, EARLY_PREFETCH and FOLD_COMBINE apply to the packed-fp16 GEMVs only")
-    if early == "words" and per_split != down["TILES"]:
-        raise ValueError("config: EARLY_PREFETCH 'words' needs a down GEMV of one loop step (its K range of at most "
+    if (trigger != "end" or preload or fold) and not (packed_up and packed_down):
+        raise ValueError("config: PDL_TRIGGER, PRELOAD_WORDS and FOLD_COMBINE apply to the packed-fp16 GEMVs only")
+    if preload and per_split != down["TILES"]:
+        raise ValueError("config: PRELOAD_WORDS needs a down GEMV of one loop step (its K range of at most "
                          f"TILES = {down['TILES']} tiles), got {per_split} tiles a split")
     if fold and splits > 1:
         raise ValueError(f"config: FOLD_COMBINE needs one split of the down GEMV, got SPLIT_K {down['SPLIT_K']}")
@@ -237,10 +236,10 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     pair_out = (torch.empty(num_pairs, H, dtype=x.dtype, device=x.device) if splits == 1 else
                 torch.empty(splits, num_pairs, H, dtype=torch.float32, device=x.device))
     _down_h2_kernel[(num_pairs, down_blocks, splits)](
-        inter, _words_arg(w_down, down), w_down.qweight, *dn_ptrs[:2], pair_out, topk_ids, topk_weights, counts, out,
+        inter, _words_arg(w_down, down), *dn_ptrs[:2], pair_out, topk_ids, topk_weights, counts, out,
         T, H, intermediate, num_routed, w_down.padded_shape[0], per_split, inter.stride(0), *dn_strides,
         pair_out.stride(-2), pair_out.stride(0) if splits > 1 else 0, out.stride(0),
-        TOP_K=top_k, EARLY={False: 0, "lines": 1, "words": 2}[early], FOLD=fold,
+        TOP_K=top_k, PRELOAD=preload, FOLD=fold,
         **_h2_flags(down, inter.dtype, intermediate, per_split, dn_format, x.device),
     )
     return None if fold else pair_out

@@ -330,17 +330,3 @@ def _pdl_launch_dependents(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
-
-# prefetch.global.L2: starts the 128-byte line at an address on its way into L2. Only a hint: nothing waits on it,
-# and the arithmetic never sees it. (The dummy output keeps the instruction an asm with a result, which Triton needs;
-# is_pure=False keeps it from being removed as unused.)
-_PREFETCH_L2_ASM = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
-
-
-@triton.jit
-def _l2_prefetch(ptrs, EMULATE: tl.constexpr):
-    """Starts the line of each address of the pointer tensor `ptrs` into L2 (the interpreter, which cannot run
-    PTX, skips it)."""
-    if not EMULATE:
-        tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l", [ptrs.to(tl.int64, bitcast=True)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
