@@ -478,6 +478,34 @@ def test_resolve_takes_a_bf16_override_for_bf16_activations_only(k):
         k.tuning.resolve({**config, "bf16": True}, x.half(), None, 128)
 
 
+@pytest.mark.parametrize("half2", [{"pdl_trigger": "start"}, {"pdl_trigger": "start", "split_k": 2}])
+def test_pdl_trigger_keeps_the_bits(k, monkeypatch, half2):
+    """E66's "pdl_trigger" (the next kernel let launch at the packed GEMV's start) reaches the launcher through
+    `resolve` and changes no bit: nothing launches as a dependent off the GPU, so this checks the plumbing; the
+    GPU's dependent-launch chains check the ordering."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    qw = k.quantize(_weight(96, 384), group_size=128)
+    x = torch.randn(2, 384, generator=_gen(3)).half()
+    base = {"kernel": "gemv", "block_n": 32, "tiles": 1, "half2": {"block_n": 32, "tiles": 1, "num_stages": 2,
+                                                                  "x_bcast": True, "tma": True}}
+    plan = {**base, "half2": {**base["half2"], **half2}}
+    resolved = k.tuning.resolve(plan, x, None, 128)
+    assert resolved["kernel"] == "gemv_h2" and resolved.items() >= half2.items()
+    want = k.triton_kernels.matmul(x, qw.qweight, qw.scales, None, None, None, 96, 384, 128, base)
+    assert torch.equal(k.triton_kernels.matmul(x, qw.qweight, qw.scales, None, None, None, 96, 384, 128, plan), want)
+
+
+@pytest.mark.parametrize("trigger", ["middle", True])
+def test_pdl_trigger_checked(k, monkeypatch, trigger):
+    """A malformed "pdl_trigger" is refused by name before any launch."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    qw = k.quantize(_weight(96, 384), group_size=128)
+    plan = {"kernel": "gemv", "block_n": 32, "tiles": 1, "half2": {"block_n": 32, "tiles": 1, "pdl_trigger": trigger}}
+    with pytest.raises(ValueError, match="pdl_trigger"):
+        k.triton_kernels.matmul(torch.randn(1, 384).half(), qw.qweight, qw.scales, None, None, None, 96, 384, 128,
+                                plan)
+
+
 def test_nf4_lookup_choice_is_checked(k):
     """"nf4_shfl" takes true, false or "half"; anything else is refused by name before a launch."""
     with pytest.raises(ValueError, match="nf4_shfl"):

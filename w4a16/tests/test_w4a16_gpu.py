@@ -722,6 +722,10 @@ DEPENDENT_LAUNCHES = [  # (m, config): each decode kernel, split-K (its reductio
     (1, {"kernel": "gemv", "tiles": 8, "num_warps": 4, "half2": {"block_n": 8, "tiles": 8, "num_warps": 4}}),
     (1, {"kernel": "gemv", "half2": {"block_n": 16, "tiles": 8, "num_warps": 2, "num_stages": 3, "x_bcast": True,
                                      "tma": True, "split_k": 3}}),
+    # E66: the next kernel let launch right after the wait
+    (1, {"kernel": "gemv", "half2": {"block_n": 16, "tiles": 8, "num_warps": 2, "num_stages": 3, "x_bcast": True,
+                                     "tma": True, "pdl_trigger": "start"}}),
+    (1, {"kernel": "gemv", "half2": {"block_n": 8, "tiles": 8, "num_warps": 4, "split_k": 2, "pdl_trigger": "start"}}),
     (4, {**CONFIGS[3], "mma": {"num_warps": 2, "tiles": 2, "stages": 4, "split_k": 2}}),
     (13, {**CONFIGS[3], "mma": {"block_m": 16, "num_warps": 4, "reps": 2, "tiles": 2, "stages": 3}}),
     (64, {"kernel": "dot", "block_m": 64, "block_n": 64, "split_k": 2, "swap_ab": True, "full_tile": True,
@@ -734,7 +738,8 @@ DEPENDENT_LAUNCHES = [  # (m, config): each decode kernel, split-K (its reductio
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs sm_90+")
 @pytest.mark.parametrize("m,config", DEPENDENT_LAUNCHES,
-                         ids=["h2", "h2-tma-split3", "mma-split2", "mma-16x128", "dot-tma-split2", "dot-128x64"])
+                         ids=["h2", "h2-tma-split3", "h2-tma-start", "h2-split2-start", "mma-split2",
+                              "mma-16x128", "dot-tma-split2", "dot-128x64"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dependent_launch_chains(k, m, config, dtype):
     """The decode and tensor-core kernels as programmatic dependents (`launch.dependent_launch`): a chain of 8

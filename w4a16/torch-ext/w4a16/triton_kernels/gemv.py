@@ -420,7 +420,7 @@ def _gemv_h2_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
     X_BCAST: tl.constexpr, W_DESC: tl.constexpr, EMULATE: tl.constexpr, SWIGLU: tl.constexpr,
-    PDL: tl.constexpr, NF4_SHFL: tl.constexpr = 0,
+    PDL: tl.constexpr, NF4_SHFL: tl.constexpr = 0, TRIGGER_START: tl.constexpr = False,
 ):
     """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
     `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
@@ -437,7 +437,8 @@ def _gemv_h2_kernel(
     TMA descriptor ``qw_ptr`` over ``[rows, num_tiles, 16]`` words, boxes of [BLOCK_N, TILES, 16]).
 
     SWIGLU as in `_gemv_kernel`. PDL: launched as a programmatic dependent of the kernel before
-    (`common._pdl_wait`), the next one let launch after the K loop.
+    (`common._pdl_wait`), the next one let launch after the K loop, or with TRIGGER_START (E66) right after the
+    wait.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -450,6 +451,8 @@ def _gemv_h2_kernel(
     x_row = x_ptr + m * stride_xm
     first = pid_k * tiles_per_split
     _pdl_wait(PDL)
+    if TRIGGER_START:
+        _pdl_launch_dependents(PDL)
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
     # with float minima too: code * scale + min = (code - 8) * scale + (min + 8 scale), so the fp16 partial sums
     # stay centred (uncentred codes made them large, and the min term cancelled them: 4x the rounding error)
@@ -559,7 +562,8 @@ def _gemv_h2_kernel(
         if MASK_TILES:
             part = tl.where(live[None, :, None], part, 0.0)
         acc += part * s[:, :, None]  # a multiply by the constant 1.0 (per channel, unscaled x) folds away
-    _pdl_launch_dependents(PDL)
+    if not TRIGGER_START:
+        _pdl_launch_dependents(PDL)
     result = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
     if PER_CHANNEL:
         result = result * scale

@@ -113,8 +113,18 @@ def _launch_gemv(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gro
         _reduce_splits(target, bias, out, n, plan.get("swiglu", False))
 
 
+def _trigger_flag(plan: dict) -> dict:
+    """The packed GEMV's "pdl_trigger" (E66, docs/design/w4a16.md), refused by name when malformed: "end", the
+    default, lets the next kernel launch after the K loop; "start" right after the wait."""
+    trigger = plan.get("pdl_trigger", "end")
+    if trigger not in ("end", "start"):
+        raise ValueError(f"config: pdl_trigger must be 'end' or 'start', got {trigger!r}")
+    return dict(TRIGGER_START=trigger == "start")
+
+
 def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     """`_gemv_h2_kernel` (`tuning.half2_supported` says for which formats)."""
+    trigger = _trigger_flag(plan)
     grid, per_split, splits, target, flags = _gemv_grid(x, qweight, out, n, k, plan, bias)
     m, num_tiles = x.shape[0], qweight.shape[1] // WORDS_PER_TILE
     x_scaled = x.dtype == torch.bfloat16
@@ -143,6 +153,7 @@ def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, 
         NF4_SHFL=_nf4_shuffled_halves(plan, codebook),
         # masked tiles mask x per tile (MASK_TILES); descriptor boxes are loaded in the loop, not ahead
         **dict(flags, MASK_X=k % 128 != 0, PREFETCH=flags["PREFETCH"] and not w_desc), PDL=pdl, launch_pdl=pdl,
+        **trigger,
     )
     if splits > 1:
         _reduce_splits(target, bias, out, n, plan.get("swiglu", False), pdl)
