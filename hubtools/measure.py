@@ -160,6 +160,24 @@ class ClockLog:
         return [s for s in self.samples if start <= s["t"] <= end]
 
 
+def kernel_times(fn: Callable[[int], object], n_inputs: int, calls: int = 50) -> dict[str, float]:
+    """{CUDA kernel name: mean microseconds per call} of `fn(i)` called eagerly (i cycling over `n_inputs`),
+    by torch.profiler: where one call's time goes, kernel by kernel (eager, so without the overlap of dependent
+    launches that graph replay has)."""
+    for i in range(5):
+        fn(i % n_inputs)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fn(i % n_inputs)
+        torch.cuda.synchronize()
+    total: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total[event.name] = total.get(event.name, 0.0) + event.device_time
+    return {name: t / calls for name, t in total.items()}
+
+
 def parse_clock_samples(text: str) -> list[dict]:
     """`ClockLog`'s nvidia-smi lines (``2026/12/06 18:08:07.123, 1455, 690.53, 0x0000000000000004``) as dicts with
     ``t`` in ``time.time()`` seconds (nvidia-smi stamps local time, as ``time.mktime`` reads it); lines with a

@@ -10,7 +10,6 @@ Run 157 timed the first form of this script (with the refuted "lines" prefetch) 
 import json
 import os
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import kernels
@@ -18,7 +17,7 @@ import torch
 
 from hubtools.bench.moe_dispatch import MODELS
 from hubtools.bench.moe_dispatch_tune import _quant_cases
-from hubtools.measure import environment, time_graphs_interleaved, warm_clocks
+from hubtools.measure import environment, kernel_times, time_graphs_interleaved, warm_clocks
 
 KEYS = {"gate_up": ("PDL_TRIGGER",), "down": ("PRELOAD_WORDS", "FOLD_COMBINE")}
 VARIANTS = {  # name: (gate_up keys, down keys), over the default plan without KEYS
@@ -29,23 +28,6 @@ VARIANTS = {  # name: (gate_up keys, down keys), over the default plan without K
     "start-preload-fold": ({"PDL_TRIGGER": "start"}, {"PRELOAD_WORDS": True, "FOLD_COMBINE": True}),
 }
 PROFILED = ("without", "start-preload-fold")
-
-
-def kernel_times(fn, copies, calls=50):
-    """{kernel name: mean us} of `fn(i)` called eagerly (i cycling over the layer copies), by torch.profiler."""
-    for i in range(5):
-        fn(i % copies)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for i in range(calls):
-            fn(i % copies)
-        torch.cuda.synchronize()
-    total = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total[event.name] += event.device_time
-    return {name: t / calls for name, t in total.items()}
-
 
 build, out_path, *names = sys.argv[1:]
 rounds = int(os.environ.get("ROUNDS", 7))
