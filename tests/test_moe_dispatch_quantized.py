@@ -552,21 +552,26 @@ def test_packed_gemv_cut(k):
     assert "GEMV" not in tk.default_config(8, *deepseek[:3], deepseek[3], cpu, quantized=True)  # fp32 GEMV: T <= 4
 
 
-def test_small_experts_overlap_by_default(k):
-    """E64 / E65's keys are the packed GEMVs' default only where the down GEMV is one 8-tile loop step (I <= 1024:
-    Qwen3-30B-A3B's 768), the case runs 157 / 159 measured them faster on, and the fold only up to FOLD_MAX_TOKENS
-    tokens; Mixtral's and DeepSeek-V3's plans stay without."""
+def test_small_experts_overlap_by_default(k, monkeypatch):
+    """E64 / E65 / E68's plan is the packed GEMVs' default only where the down GEMV is one 8-tile loop step (I <=
+    1024: Qwen3-30B-A3B's 768), the case runs 157-162 measured it faster on: the keys, the fold only up to
+    FOLD_MAX_TOKENS tokens, one-warp down programs of 8 rows where 16-row ones would be under 8 per SM. Mixtral's
+    and DeepSeek-V3's plans stay as they were."""
     tk, cpu = k.ops.triton_kernels, torch.device("cpu")
+    monkeypatch.setattr(tk.configs, "_sm_count", lambda device: 132)
     fold_max = tk.configs.FOLD_MAX_TOKENS
     for intermediate in (768, 1024, 1025, 2048, 14336):
-        for tokens in (1, fold_max, fold_max + 1, 16):
+        for tokens in (1, 2, fold_max, fold_max + 1, 16):
             config = tk.default_config(tokens, 128, 2048, intermediate, 8, cpu, quantized=True, packed=True)
-            keys = ({key for key in config["gate_up"] if key == "PDL_TRIGGER"}
-                    | {key for key in config["down"] if key in ("PRELOAD_WORDS", "FOLD_COMBINE")})
-            want = set()
-            if intermediate <= 1024:
-                want = {"PDL_TRIGGER", "PRELOAD_WORDS"} | ({"FOLD_COMBINE"} if tokens <= fold_max else set())
-            assert keys == want, (intermediate, tokens)
+            up, down = config["gate_up"], config["down"]
+            keys = ({key for key in up if key == "PDL_TRIGGER"}
+                    | {key for key in down if key in ("PRELOAD_WORDS", "FOLD_COMBINE")})
+            if intermediate > 1024:
+                assert keys == set() and down == up, (intermediate, tokens)
+                continue
+            assert keys == {"PDL_TRIGGER", "PRELOAD_WORDS"} | ({"FOLD_COMBINE"} if tokens <= fold_max else set())
+            # 8 pairs x 128 row blocks of 16 = 1024 programs < 8 x 132 at one token
+            assert (down["BLOCK_N"], down["num_warps"]) == (8 if tokens == 1 else 16, 1), tokens
 
 
 def test_sentinel_ids_with_allow_sentinel(k, path):

@@ -119,7 +119,12 @@ OVERLAP_VARIANTS = {
     "start-preload": ({"PDL_TRIGGER": "start"}, {"PRELOAD_WORDS": True}),
     "fold": ({}, {"FOLD_COMBINE": True}),
     "start-preload-fold": ({"PDL_TRIGGER": "start"}, {"PRELOAD_WORDS": True, "FOLD_COMBINE": True}),
+    # the default of one-step down GEMVs (E68): one-warp programs, 8 rows at one token
+    "start-preload-fold-1warp-8rows": ({"PDL_TRIGGER": "start"}, {"PRELOAD_WORDS": True, "FOLD_COMBINE": True,
+                                                                  "num_warps": 1, "BLOCK_N": 8}),
+    "start-preload-1warp": ({"PDL_TRIGGER": "start"}, {"PRELOAD_WORDS": True, "num_warps": 1}),
 }
+SIZES = ("BLOCK_N", "num_warps")  # a variant's block sizes: the plan it is compared with has them too
 
 
 @pytest.mark.parametrize("variant", sorted(OVERLAP_VARIANTS))
@@ -127,9 +132,9 @@ OVERLAP_VARIANTS = {
                                         ("int4-zp-channel", torch.bfloat16)])
 @pytest.mark.parametrize("T", [1, 3])
 def test_decode_overlap_bit_equal(k, variant, name, dtype, T):
-    """Each variant against the shipped plan (`PACKED_PLANS["tma"]`, dependent launches) on Qwen3-30B-A3B's expert
-    size: five calls and five CUDA-graph replays, each into a NaN-poisoned output, all bit-equal to the shipped
-    plan's; within TOL of float64. T = 3 has a token whose pairs select nothing."""
+    """Each variant against the shipped plan (`PACKED_PLANS["tma"]`, dependent launches, with the variant's block
+    sizes) on Qwen3-30B-A3B's expert size: five calls and five CUDA-graph replays, each into a NaN-poisoned output,
+    all bit-equal to the shipped plan's; within TOL of float64. T = 3 has a token whose pairs select nothing."""
     E, H, I, top_k = 16, 2048, 768, 8
     (q_gate_up, q_down), g = layer(k, E, H, I, name, seed=5, dtype=dtype)
     x = (torch.randn(T, H, device="cuda", generator=g) * 4).to(dtype)
@@ -138,7 +143,8 @@ def test_decode_overlap_bit_equal(k, variant, name, dtype, T):
         ids[1] = E  # selects nothing
     plan = {**PACKED_PLANS["tma"], "PDL": True}
     up, down = OVERLAP_VARIANTS[variant]
-    shipped = {"GEMV": True, "gate_up": plan, "down": plan}
+    sizes = {key: value for key, value in down.items() if key in SIZES}
+    shipped = {"GEMV": True, "gate_up": plan, "down": {**plan, **sizes}}
     trial = {"GEMV": True, "gate_up": {**plan, **up}, "down": {**plan, **down}}
     tk = k.ops.triton_kernels
     expected = torch.full((T, H), float("nan"), device="cuda", dtype=dtype)

@@ -6,6 +6,9 @@ the plan without the keys and the full variant (torch.profiler over eager calls)
 Run 157 timed the first form of this script (with the refuted "lines" prefetch) at T = 1 and 4.
 
     python docs/design/moe-dispatch/e64_ab.py BUILD_DIR OUT.json [model ...]   (env ROUNDS, default 7; TOKENS, "1 4")
+
+env VARIANTS='{"name": [{gate_up keys}, {down keys}], ...}' times those instead (any plan keys, over the same base;
+"without" is added as the reference).
 """
 import json
 import os
@@ -30,6 +33,9 @@ VARIANTS = {  # name: (gate_up keys, down keys), over the default plan without K
 PROFILED = ("without", "start-preload-fold")
 
 build, out_path, *names = sys.argv[1:]
+if "VARIANTS" in os.environ:
+    VARIANTS = {"without": ({}, {}), **json.loads(os.environ["VARIANTS"])}
+    PROFILED = tuple(VARIANTS)
 rounds = int(os.environ.get("ROUNDS", 7))
 tokens = [int(t) for t in os.environ.get("TOKENS", "1 4").split()]
 k = kernels.get_local_kernel(Path(build))
@@ -47,9 +53,15 @@ for name, T, copies, call, ref, bound in _quant_cases(tk, k, names or ["qwen3-30
     one_step = -(-m.intermediate // 128) <= base["down"]["TILES"]
     configs = {v: {**default, "gate_up": {**base["gate_up"], **up}, "down": {**base["down"], **down}}
                for v, (up, down) in VARIANTS.items() if one_step or "PRELOAD_WORDS" not in down}
+    configs = {v: c for v, c in configs.items() if v == "without" or c != configs["without"]}
     expected = call(configs["without"])(0).clone()
     for v, config in configs.items():
-        assert torch.equal(call(config)(0), expected), f"{name} T={T} {v}: not bit-equal to the plan without keys"
+        got = call(config)(0)
+        if "VARIANTS" in os.environ:  # other block sizes may sum in another order: within bf16's rounding
+            err = ((got.float() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, f"{name} T={T} {v}: relative error {err:.3g}"
+        else:
+            assert torch.equal(got, expected), f"{name} T={T} {v}: not bit-equal to the plan without keys"
     times = dict(zip(configs, time_graphs_interleaved([call(c) for c in configs.values()], copies, rounds=rounds)))
     best = {v: min(t) for v, t in times.items()}
     print(f"{name} T={T} (bound {bound * 1e6:.1f} us): " + ", ".join(

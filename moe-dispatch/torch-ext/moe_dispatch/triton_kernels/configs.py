@@ -114,12 +114,16 @@ def default_config(tokens: int, num_experts: int, hidden: int, intermediate: int
             plan = {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 8, "num_warps": 2, "num_stages": 3, "X_BCAST": True,
                     "TMA": True, "PDL": True}
             if triton.cdiv(intermediate, 128) <= plan["TILES"]:
-                # small experts, whose down GEMV is one loop step: the down grid launches once the gate/up programs
-                # pass their wait and loads its words while that grid drains; up to FOLD_MAX_TOKENS tokens its last
-                # arrivals also do the combine. On the H100 (runs 157 / 159, docs/design/moe-dispatch.md E64 / E65)
-                # Qwen3-30B-A3B ran 1.08x / 1.24x / 1.16x at T = 1 / 2 / 4 with the fold, 1.19x / 1.20x at T = 8 /
-                # 16 without (0.98x with); the trigger alone lost 9 % on Mixtral, where the preload does not apply
-                down = {**plan, "PRELOAD_WORDS": True}
+                # Small experts, whose down GEMV is one loop step (runs 157-162, docs/design/moe-dispatch.md E64,
+                # E65, E68; H100, Qwen3-30B-A3B against this plan without the keys: 1.16x / 1.27x / 1.17x / 1.22x /
+                # 1.26x at T = 1 / 2 / 4 / 8 / 16):
+                # - the down grid launches once the gate/up programs pass their wait, and loads its words while
+                #   that grid drains (the trigger alone lost 9 % on Mixtral, where the preload does not apply);
+                # - one warp per down program (its words are one box); 8-row programs where 16-row ones would be
+                #   under 8 per SM (T = 1: 16.9 us against 17.6);
+                # - up to FOLD_MAX_TOKENS tokens the last down arrivals do the combine (at T = 8 it lost 2 %).
+                rows = 16 if tokens * top_k * triton.cdiv(hidden, 16) >= 8 * _sm_count(device) else 8
+                down = {**plan, "BLOCK_N": rows, "num_warps": 1, "PRELOAD_WORDS": True}
                 if tokens <= FOLD_MAX_TOKENS:
                     down["FOLD_COMBINE"] = True
                 return {"GEMV": True, "gate_up": {**plan, "PDL_TRIGGER": "start"}, "down": down}
