@@ -301,9 +301,6 @@ OVERLAP_VARIANTS = {
     "preload": ({}, {"PRELOAD_WORDS": True}),
     "fold": ({}, {"FOLD_COMBINE": True}),
     "start-preload-fold": ({"PDL_TRIGGER": "start"}, {"PRELOAD_WORDS": True, "FOLD_COMBINE": True}),
-    "swiglu-in-down": ({"SWIGLU_IN_DOWN": True}, {}),
-    "swiglu-in-down-start-preload-fold": ({"SWIGLU_IN_DOWN": True, "PDL_TRIGGER": "start"},
-                                          {"PRELOAD_WORDS": True, "FOLD_COMBINE": True}),
 }
 
 
@@ -339,7 +336,6 @@ def test_decode_overlap_bit_equal(k, monkeypatch, variant, fmt_name, dtype):
 @pytest.mark.parametrize("up,down,match", [
     ({"PDL_TRIGGER": "middle"}, {}, "PDL_TRIGGER"),
     ({}, {"PRELOAD_WORDS": "lines"}, "PRELOAD_WORDS"),
-    ({"SWIGLU_IN_DOWN": "yes"}, {}, "SWIGLU_IN_DOWN"),
     ({}, {"FOLD_COMBINE": "yes"}, "FOLD_COMBINE"),
     ({}, {"FOLD_COMBINE": True, "TILES": 1, "SPLIT_K": 2}, "FOLD_COMBINE needs one split"),
     ({}, {"PRELOAD_WORDS": True, "TILES": 1}, "one loop step"),

@@ -123,10 +123,6 @@ OVERLAP_VARIANTS = {
     "start-preload-fold-1warp-8rows": ({"PDL_TRIGGER": "start"}, {"PRELOAD_WORDS": True, "FOLD_COMBINE": True,
                                                                   "num_warps": 1, "BLOCK_N": 8}),
     "start-preload-1warp": ({"PDL_TRIGGER": "start"}, {"PRELOAD_WORDS": True, "num_warps": 1}),
-    # E70: the SwiGLU in the down GEMV's x loads, the gate / up rows one dot each
-    "swiglu-in-down": ({"SWIGLU_IN_DOWN": True}, {}),
-    "swiglu-in-down-default": ({"SWIGLU_IN_DOWN": True, "PDL_TRIGGER": "start"},
-                               {"PRELOAD_WORDS": True, "FOLD_COMBINE": True, "num_warps": 1, "BLOCK_N": 8}),
 }
 SIZES = ("BLOCK_N", "num_warps")  # a variant's block sizes: the plan it is compared with has them too
 

@@ -295,38 +295,28 @@ def _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _x_at(x_row, k, K, MASK: tl.constexpr, ACT: tl.constexpr = False):
-    """x at columns k; ACT (E70): x_row holds a pair's raw gate (columns [0, K)) and up (K more) dots, and x is
-    silu(gate) * up, computed in fp32 as `_gate_up_h2_kernel` does."""
+def _x_at(x_row, k, K, MASK: tl.constexpr):
     if MASK:
-        x = tl.load(x_row + k, mask=k < K, other=0.0)
-    else:
-        x = tl.load(x_row + k)
-    if ACT:
-        if MASK:
-            up = tl.load(x_row + K + k, mask=k < K, other=0.0)
-        else:
-            up = tl.load(x_row + K + k)
-        x = x / (1.0 + tl.exp(-x)) * up
-    return x
+        return tl.load(x_row + k, mask=k < K, other=0.0)
+    return tl.load(x_row + k)
 
 
 @triton.jit
-def _x_tile_scales(x_row, k0, K, MASK: tl.constexpr, ACT: tl.constexpr):
+def _x_tile_scales(x_row, k0, K, MASK: tl.constexpr):
     """Per 128-column tile of x (k0: its first 16 columns), the power of two that puts its largest |x| in
     [2^10, 2^11), clamped to a normal float (an all-zero tile gets 2^127); shape k0's without the last axis."""
     amax = tl.zeros(k0.shape, dtype=tl.float32)
     for j in tl.static_range(8):
-        amax = tl.maximum(amax, tl.abs(_x_at(x_row, k0 + 16 * j, K, MASK, ACT).to(tl.float32)))
+        amax = tl.maximum(amax, tl.abs(_x_at(x_row, k0 + 16 * j, K, MASK).to(tl.float32)))
     exponent = (tl.max(amax, axis=2).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the max
     return (tl.minimum(tl.maximum(264 - exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _x_pair(x_row, k0, K, scale, J: tl.constexpr, X_SCALED: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr):
+def _x_pair(x_row, k0, K, scale, J: tl.constexpr, X_SCALED: tl.constexpr, MASK: tl.constexpr):
     """The packed fp16 x operand of nibbles J and J + 4 (K-columns k0 + 16 J and k0 + 16 J + 64)."""
-    a = _x_at(x_row, k0 + 16 * J, K, MASK, ACT)
-    b = _x_at(x_row, k0 + 16 * J + 64, K, MASK, ACT)
+    a = _x_at(x_row, k0 + 16 * J, K, MASK)
+    b = _x_at(x_row, k0 + 16 * J + 64, K, MASK)
     if X_SCALED:
         a = (a.to(tl.float32) * scale[:, :, None]).to(tl.float16)
         b = (b.to(tl.float32) * scale[:, :, None]).to(tl.float16)
@@ -382,8 +372,7 @@ def _h2_words(w_src, rows, w_row, tile, ok, step_first, stride_qn, W_DESC: tl.co
 @triton.jit
 def _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg, zlo, zhi, zlo_b, zhi_b,
              BLOCK_N: tl.constexpr, TWO: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
-             X_SCALED: tl.constexpr, X_BCAST: tl.constexpr, MASK: tl.constexpr, ACT: tl.constexpr,
-             EMULATE: tl.constexpr):
+             X_SCALED: tl.constexpr, X_BCAST: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr):
     """One step of `_h2_rows`: x at the step's tiles as packed fp16 pairs (made fp16 per tile where X_SCALED), and
     the terms of words `w` (and with TWO `w_b`; else the second result repeats the first)."""
     col = tl.arange(0, _WORDS)
@@ -393,13 +382,13 @@ def _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg
     scale = 1.0
     unscale = 1.0
     if X_SCALED:
-        scale = _x_tile_scales(x_row, k0, K, MASK, ACT)
+        scale = _x_tile_scales(x_row, k0, K, MASK)
         # a power of two: the inverse is exact, and one reciprocal per tile replaces a division per row and tile
         unscale = 1.0 / scale
-    xp0 = _x_pair(x_row, k0, K, scale, 0, X_SCALED, MASK, ACT)
-    xp1 = _x_pair(x_row, k0, K, scale, 1, X_SCALED, MASK, ACT)
-    xp2 = _x_pair(x_row, k0, K, scale, 2, X_SCALED, MASK, ACT)
-    xp3 = _x_pair(x_row, k0, K, scale, 3, X_SCALED, MASK, ACT)
+    xp0 = _x_pair(x_row, k0, K, scale, 0, X_SCALED, MASK)
+    xp1 = _x_pair(x_row, k0, K, scale, 1, X_SCALED, MASK)
+    xp2 = _x_pair(x_row, k0, K, scale, 2, X_SCALED, MASK)
+    xp3 = _x_pair(x_row, k0, K, scale, 3, X_SCALED, MASK)
     part = _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, unscale, xp0, xp1, xp2, xp3, HAS_ZERO,
                     GROUP, X_SCALED, EMULATE)
     part_b = part
@@ -413,8 +402,7 @@ def _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg
 def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K, first, per_split, stride_qn,
              stride_sg, w_pre, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
              HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
-             W_DESC: tl.constexpr, MASK: tl.constexpr, PRELOADED: tl.constexpr, ACT: tl.constexpr,
-             EMULATE: tl.constexpr):
+             W_DESC: tl.constexpr, MASK: tl.constexpr, PRELOADED: tl.constexpr, EMULATE: tl.constexpr):
     """fp32 [BLOCK_N] dot products of x_row with weight rows `rows` over K-tiles [first, first + per_split), by
     `_H2_ASM`; TWO: also rows `rows_b` in the same loop (the up rows of a gate / up pair).
 
@@ -423,8 +411,7 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
     the last tile read as zeros). X_BCAST: x as [1, TILES, 16], broadcast over the rows in the dot (a thread then
     holds all BLOCK_N rows of its word positions and loads each x once); else x in the weight tile's shape.
     MASK: some loop step reaches past K or past the last tile. PRELOADED (one step, not TWO): the caller loaded
-    its words `w_pre` (`_h2_words`), before its PDL wait (E64's PRELOAD_WORDS). ACT: x is silu(gate) * up of
-    x_row's raw gate and up halves (`_x_at`)."""
+    its words `w_pre` (`_h2_words`), before its PDL wait (E64's PRELOAD_WORDS)."""
     num_tiles = tl.cdiv(K, 128)
     tile_ar = tl.arange(0, TILES)
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
@@ -442,7 +429,7 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
         tile = first + tile_ar
         ok = n_ok[:, None] & (tile < num_tiles)[None, :]
         acc, _ = _h2_step(x_row, w_pre, w_pre, s_base, z_base, tile, rows, rows, ok, K, stride_sg, zlo, zhi, zlo, zhi,
-                          BLOCK_N, False, HAS_ZERO, GROUP, X_SCALED, X_BCAST, MASK, ACT, EMULATE)
+                          BLOCK_N, False, HAS_ZERO, GROUP, X_SCALED, X_BCAST, MASK, EMULATE)
     else:
         for it in tl.range(0, per_split, TILES, num_stages=STAGES):
             tile = first + it + tile_ar
@@ -452,8 +439,7 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
             if TWO:
                 w_b = _h2_words(w_src, rows_b, w_row_b, tile, ok, first + it, stride_qn, W_DESC)
             part, part_b = _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg, zlo, zhi,
-                                    zlo_b, zhi_b, BLOCK_N, TWO, HAS_ZERO, GROUP, X_SCALED, X_BCAST, MASK, ACT,
-                                    EMULATE)
+                                    zlo_b, zhi_b, BLOCK_N, TWO, HAS_ZERO, GROUP, X_SCALED, X_BCAST, MASK, EMULATE)
             acc += part
             if TWO:
                 acc_b += part_b
@@ -491,15 +477,13 @@ def _gate_up_h2_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
     W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, TRIGGER_START: tl.constexpr,
-    ZERO_COUNTS: tl.constexpr, RAW: tl.constexpr, EMULATE: tl.constexpr,
+    ZERO_COUNTS: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """`_gate_up_gemv_kernel` with the packed-fp16 dot (`_h2_rows`); W_DESC: w_ptr is a TMA descriptor over all
     experts' words as [E * Np, tiles, 16] (expert e's rows from e * rows_per_expert). PDL: launched as a
     programmatic dependent of the routing (`_pdl_wait`), and lets the down GEMV launch once its K loop is done, or
     with TRIGGER_START right after its wait (E64). ZERO_COUNTS: zeroes the down GEMV's arrival counts first
-    (`_zero_counts`, for its FOLD). RAW (E70): a program's rows are any BLOCK_N of the expert's 2I gate and up rows
-    (grid axis 1 over 2I), one dot per row, and inter[p] gets the raw dots; the down GEMV applies the SwiGLU
-    (`_x_at` with ACT)."""
+    (`_zero_counts`, for its FOLD)."""
     _pdl_wait(PDL)
     if TRIGGER_START:
         _pdl_launch_dependents(PDL)
@@ -510,22 +494,16 @@ def _gate_up_h2_kernel(
     if (e >= 0) & (e < num_experts):  # other ids select nothing; the combine skips their pairs
         e64 = e.to(tl.int64)
         first_row, rows, w_src = _h2_block(w_ptr, e64, stride_we, BLOCK_N, W_DESC)
+        n_ok = rows < I
         w_row = e * rows_per_expert + first_row
-        x_row = x_ptr + (p // TOP_K).to(tl.int64) * stride_xt
-        if RAW:
-            n_ok = rows < 2 * I
-            out, _ = _h2_rows(x_row, w_src, s_ptr + e64 * stride_se, z_ptr + e64 * stride_se, rows, rows, w_row, w_row,
-                              n_ok, H, 0, tl.cdiv(H, 128), stride_wn, stride_sg, 0, BLOCK_N, TILES, STAGES, False,
-                              HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, False, False, EMULATE)
-        else:
-            n_ok = rows < I
-            gate, up = _h2_rows(x_row, w_src, s_ptr + e64 * stride_se, z_ptr + e64 * stride_se, rows, rows + I, w_row,
-                                w_row + I, n_ok, H, 0, tl.cdiv(H, 128), stride_wn, stride_sg, 0, BLOCK_N, TILES,
-                                STAGES, True, HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, False, False, EMULATE)
-            out = gate / (1.0 + tl.exp(-gate)) * up
+        gate, up = _h2_rows(x_ptr + (p // TOP_K).to(tl.int64) * stride_xt, w_src, s_ptr + e64 * stride_se,
+                            z_ptr + e64 * stride_se, rows, rows + I, w_row, w_row + I, n_ok, H, 0, tl.cdiv(H, 128),
+                            stride_wn, stride_sg, 0, BLOCK_N, TILES, STAGES, True, HAS_ZERO, GROUP, X_SCALED, X_BCAST,
+                            W_DESC, MASK, False, EMULATE)
         if not TRIGGER_START:
             _pdl_launch_dependents(PDL)
-        tl.store(inter_ptr + p.to(tl.int64) * stride_it + rows, out.to(inter_ptr.dtype.element_ty), mask=n_ok)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(inter_ptr + p.to(tl.int64) * stride_it + rows, act.to(inter_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -558,14 +536,13 @@ def _down_h2_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
     W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr, FOLD: tl.constexpr,
-    ACT: tl.constexpr, EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """`_down_gemv_kernel` with the packed-fp16 dot, split over K on grid axis 2: split s writes its fp32 partial
     sums to pair_out[s] (the combine adds the splits). PDL as in `_gate_up_h2_kernel` (the combine after it).
     PRELOAD (E64, a K range of one loop step): the program loads that step's words before its wait, while the
     gate/up grid drains; the weights never depend on it, and the pair's expert id was written before the gate/up
-    grid passed its own wait. FOLD (E65, one split): `_fold_combine` writes `out_ptr`, no combine launch follows.
-    ACT (E70): inter holds the raw gate and up dots (`_gate_up_h2_kernel` with RAW); x is their SwiGLU."""
+    grid passed its own wait. FOLD (E65, one split): `_fold_combine` writes `out_ptr`, no combine launch follows."""
     p = tl.program_id(0)
     split = tl.program_id(2)
     first = split * tiles_per_split
@@ -587,7 +564,7 @@ def _down_h2_kernel(
         acc, _ = _h2_rows(inter_ptr + p.to(tl.int64) * stride_it, w_src, s_ptr + e64 * stride_se,
                           z_ptr + e64 * stride_se, rows, rows, e * rows_per_expert + first_row, 0, n_ok, I,
                           first, tiles_per_split, stride_wn, stride_sg, w_pre, BLOCK_N, TILES, STAGES, False,
-                          HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, PRELOAD, ACT, EMULATE)
+                          HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, PRELOAD, EMULATE)
         _pdl_launch_dependents(PDL)
         acc *= tl.load(topk_w_ptr + p).to(tl.float32)
         tl.store(pair_out_ptr + split.to(tl.int64) * stride_split + p.to(tl.int64) * stride_pt + rows,

@@ -183,27 +183,23 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     Plan keys of the packed GEMVs' dependent launches (E64 / E65, measured on the design page): the gate/up plan's
     "PDL_TRIGGER" ("end", the default: the down grid launches after each program's K loop; "start": right after
     its wait), the down plan's "PRELOAD_WORDS" (the words of its one loop step loaded before its wait) and
-    "FOLD_COMBINE" (one split only). And the gate/up plan's "SWIGLU_IN_DOWN" (E70): one dot per program row over
-    the expert's 2I gate and up rows, the raw dots into the intermediate, the SwiGLU applied as the down GEMV
-    loads them."""
+    "FOLD_COMBINE" (one split only)."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
     num_pairs, intermediate, num_routed = T * top_k, w_down.shape[1], w_down.num_experts
     gu_ptrs, gu_strides, gu_format = _weight_args(w_gate_up)
     dn_ptrs, dn_strides, dn_format = _weight_args(w_down)
+    # fp32 intermediate: the down GEMVs' x then needs no rounding before its own (exact or per-tile) conversion
+    inter = torch.empty(num_pairs, intermediate, dtype=torch.float32, device=x.device)
     packed_up, packed_down = packed_gemv(w_gate_up, x.dtype), packed_gemv(w_down, x.dtype)
     trigger = _plan_choice(up, "PDL_TRIGGER", ("end", "start"), "end")
     preload = _plan_choice(down, "PRELOAD_WORDS", (False, True), False)
     fold = _plan_choice(down, "FOLD_COMBINE", (False, True), False)
-    raw = _plan_choice(up, "SWIGLU_IN_DOWN", (False, True), False)
-    # fp32 intermediate: the down GEMVs' x then needs no rounding before its own (exact or per-tile) conversion
-    inter = torch.empty(num_pairs, intermediate * (2 if raw else 1), dtype=torch.float32, device=x.device)
     num_tiles = triton.cdiv(intermediate, 128)
     per_split = triton.cdiv(triton.cdiv(num_tiles, down.get("SPLIT_K", 1)), down["TILES"]) * down["TILES"]
     splits = triton.cdiv(num_tiles, per_split)
-    if (trigger != "end" or preload or fold or raw) and not (packed_up and packed_down):
-        raise ValueError("config: PDL_TRIGGER, PRELOAD_WORDS, FOLD_COMBINE and SWIGLU_IN_DOWN apply to the "
-                         "packed-fp16 GEMVs only")
+    if (trigger != "end" or preload or fold) and not (packed_up and packed_down):
+        raise ValueError("config: PDL_TRIGGER, PRELOAD_WORDS and FOLD_COMBINE apply to the packed-fp16 GEMVs only")
     if preload and per_split != down["TILES"]:
         raise ValueError("config: PRELOAD_WORDS needs a down GEMV of one loop step (its K range of at most "
                          f"TILES = {down['TILES']} tiles), got {per_split} tiles a split")
@@ -213,10 +209,10 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     # the fold's arrival counts (zeroed by the gate/up GEMV); without it topk_ids stands in, never read
     counts = torch.empty(T * down_blocks, dtype=torch.int32, device=x.device) if fold else topk_ids
     if packed_up:
-        _gate_up_h2_kernel[(num_pairs, triton.cdiv(inter.shape[1], up["BLOCK_N"]))](
+        _gate_up_h2_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
             x, _words_arg(w_gate_up, up), *gu_ptrs[:2], inter, topk_ids, counts,
             T, H, intermediate, num_routed, w_gate_up.padded_shape[0], down_blocks, x.stride(0), *gu_strides,
-            inter.stride(0), TOP_K=top_k, TRIGGER_START=trigger == "start", ZERO_COUNTS=fold, RAW=raw,
+            inter.stride(0), TOP_K=top_k, TRIGGER_START=trigger == "start", ZERO_COUNTS=fold,
             **_h2_flags(up, x.dtype, H, triton.cdiv(H, 128), gu_format, x.device),
         )
     else:
@@ -243,7 +239,7 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
         inter, _words_arg(w_down, down), *dn_ptrs[:2], pair_out, topk_ids, topk_weights, counts, out,
         T, H, intermediate, num_routed, w_down.padded_shape[0], per_split, inter.stride(0), *dn_strides,
         pair_out.stride(-2), pair_out.stride(0) if splits > 1 else 0, out.stride(0),
-        TOP_K=top_k, PRELOAD=preload, FOLD=fold, ACT=raw,
+        TOP_K=top_k, PRELOAD=preload, FOLD=fold,
         **_h2_flags(down, inter.dtype, intermediate, per_split, dn_format, x.device),
     )
     return None if fold else pair_out
