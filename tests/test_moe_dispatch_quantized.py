@@ -301,7 +301,6 @@ OVERLAP_VARIANTS = {
     "preload": ({}, {"PRELOAD_WORDS": True}),
     "fold": ({}, {"FOLD_COMBINE": True}),
     "start-preload-fold": ({"PDL_TRIGGER": "start"}, {"PRELOAD_WORDS": True, "FOLD_COMBINE": True}),
-    "scales-ahead": ({"SCALES_AHEAD": True}, {"SCALES_AHEAD": True}),
 }
 
 

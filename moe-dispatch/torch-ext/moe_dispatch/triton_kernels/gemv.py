@@ -324,13 +324,6 @@ def _x_pair(x_row, k0, K, scale, J: tl.constexpr, X_SCALED: tl.constexpr, MASK: 
 
 
 @triton.jit
-def _h2_scales(s_base, tile, rows, ok, stride_sg, GROUP: tl.constexpr):
-    """[BLOCK_N, TILES] fp32 group scales of rows `rows` at K-tiles `tile` (scale groups of GROUP >= 128 columns)."""
-    offs = (tile // (GROUP // 128))[None, :].to(tl.int64) * stride_sg + rows[:, None]
-    return tl.load(s_base + offs, mask=ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
                     EMULATE: tl.constexpr):
     """[BLOCK_N, TILES] fp32 scales of the word tile and its zero-point pairs (symmetric: the constant pairs);
@@ -339,9 +332,9 @@ def _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO: tl.cons
         s = tl.full(ok.shape, 1.0, tl.float32)
         zlo, zhi = 0, 0
     else:
-        s = _h2_scales(s_base, tile, rows, ok, stride_sg, GROUP)
+        offs = (tile // (GROUP // 128))[None, :].to(tl.int64) * stride_sg + rows[:, None]
+        s = tl.load(s_base + offs, mask=ok, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            offs = (tile // (GROUP // 128))[None, :].to(tl.int64) * stride_sg + rows[:, None]
             zero = tl.load(z_base + offs, mask=ok, other=0).to(tl.int32)
             zlo, zhi = _h2_zero_pairs(tl.broadcast_to(zero[:, :, None], (ok.shape[0], ok.shape[1], 16)), EMULATE)
         else:
@@ -350,19 +343,14 @@ def _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO: tl.cons
 
 
 @triton.jit
-def _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, x_unscale, xp0, xp1, xp2, xp3, s_ahead,
-             HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, S_AHEAD: tl.constexpr,
-             EMULATE: tl.constexpr):
+def _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, x_unscale, xp0, xp1, xp2, xp3,
+             HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, EMULATE: tl.constexpr):
     """A [BLOCK_N, TILES, 16] word tile's fp32 terms: `_h2_word_dot` times the tile's group scales (times the
     inverse of x's tile scale, `x_unscale`, when X_SCALED). zlo / zhi: the symmetric or per-row (per channel) zero pairs; group zero points
-    replace them with the tile's own. S_AHEAD (E72; symmetric groups): the scales are `s_ahead`, loaded a step
-    before."""
-    if S_AHEAD:
-        s = s_ahead
-    else:
-        s, z_lo, z_hi = _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO, GROUP, EMULATE)
-        if GROUP != -1 and HAS_ZERO:
-            zlo, zhi = z_lo, z_hi
+    replace them with the tile's own."""
+    s, z_lo, z_hi = _h2_tile_params(s_base, z_base, tile, rows, ok, stride_sg, HAS_ZERO, GROUP, EMULATE)
+    if GROUP != -1 and HAS_ZERO:
+        zlo, zhi = z_lo, z_hi
     if X_SCALED:
         s = s * x_unscale
     return _h2_word_dot(w, zlo, zhi, xp0, xp1, xp2, xp3, EMULATE) * s[:, :, None]
@@ -382,10 +370,9 @@ def _h2_words(w_src, rows, w_row, tile, ok, step_first, stride_qn, W_DESC: tl.co
 
 
 @triton.jit
-def _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg, zlo, zhi, zlo_b, zhi_b, s_ahead,
-             s_ahead_b, BLOCK_N: tl.constexpr, TWO: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
-             X_SCALED: tl.constexpr, X_BCAST: tl.constexpr, MASK: tl.constexpr, S_AHEAD: tl.constexpr,
-             EMULATE: tl.constexpr):
+def _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg, zlo, zhi, zlo_b, zhi_b,
+             BLOCK_N: tl.constexpr, TWO: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
+             X_SCALED: tl.constexpr, X_BCAST: tl.constexpr, MASK: tl.constexpr, EMULATE: tl.constexpr):
     """One step of `_h2_rows`: x at the step's tiles as packed fp16 pairs (made fp16 per tile where X_SCALED), and
     the terms of words `w` (and with TWO `w_b`; else the second result repeats the first)."""
     col = tl.arange(0, _WORDS)
@@ -402,12 +389,12 @@ def _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg
     xp1 = _x_pair(x_row, k0, K, scale, 1, X_SCALED, MASK)
     xp2 = _x_pair(x_row, k0, K, scale, 2, X_SCALED, MASK)
     xp3 = _x_pair(x_row, k0, K, scale, 3, X_SCALED, MASK)
-    part = _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, unscale, xp0, xp1, xp2, xp3, s_ahead,
-                    HAS_ZERO, GROUP, X_SCALED, S_AHEAD, EMULATE)
+    part = _h2_tile(w, s_base, z_base, tile, rows, ok, stride_sg, zlo, zhi, unscale, xp0, xp1, xp2, xp3, HAS_ZERO,
+                    GROUP, X_SCALED, EMULATE)
     part_b = part
     if TWO:
         part_b = _h2_tile(w_b, s_base, z_base, tile, rows_b, ok, stride_sg, zlo_b, zhi_b, unscale, xp0, xp1, xp2, xp3,
-                          s_ahead_b, HAS_ZERO, GROUP, X_SCALED, S_AHEAD, EMULATE)
+                          HAS_ZERO, GROUP, X_SCALED, EMULATE)
     return part, part_b
 
 
@@ -415,8 +402,7 @@ def _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg
 def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K, first, per_split, stride_qn,
              stride_sg, w_pre, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, TWO: tl.constexpr,
              HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
-             W_DESC: tl.constexpr, MASK: tl.constexpr, PRELOADED: tl.constexpr, S_AHEAD: tl.constexpr,
-             EMULATE: tl.constexpr):
+             W_DESC: tl.constexpr, MASK: tl.constexpr, PRELOADED: tl.constexpr, EMULATE: tl.constexpr):
     """fp32 [BLOCK_N] dot products of x_row with weight rows `rows` over K-tiles [first, first + per_split), by
     `_H2_ASM`; TWO: also rows `rows_b` in the same loop (the up rows of a gate / up pair).
 
@@ -425,8 +411,7 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
     the last tile read as zeros). X_BCAST: x as [1, TILES, 16], broadcast over the rows in the dot (a thread then
     holds all BLOCK_N rows of its word positions and loads each x once); else x in the weight tile's shape.
     MASK: some loop step reaches past K or past the last tile. PRELOADED (one step, not TWO): the caller loaded
-    its words `w_pre` (`_h2_words`), before its PDL wait (E64's PRELOAD_WORDS). S_AHEAD (E72; symmetric groups,
-    not PRELOADED): each step's group scales are loaded in the step before (the first before the loop)."""
+    its words `w_pre` (`_h2_words`), before its PDL wait (E64's PRELOAD_WORDS)."""
     num_tiles = tl.cdiv(K, 128)
     tile_ar = tl.arange(0, TILES)
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
@@ -444,34 +429,17 @@ def _h2_rows(x_row, w_src, s_base, z_base, rows, rows_b, w_row, w_row_b, n_ok, K
         tile = first + tile_ar
         ok = n_ok[:, None] & (tile < num_tiles)[None, :]
         acc, _ = _h2_step(x_row, w_pre, w_pre, s_base, z_base, tile, rows, rows, ok, K, stride_sg, zlo, zhi, zlo, zhi,
-                          0.0, 0.0, BLOCK_N, False, HAS_ZERO, GROUP, X_SCALED, X_BCAST, MASK, False, EMULATE)
+                          BLOCK_N, False, HAS_ZERO, GROUP, X_SCALED, X_BCAST, MASK, EMULATE)
     else:
-        s_next = 0.0
-        s_next_b = 0.0
-        if S_AHEAD:
-            ok0 = n_ok[:, None] & ((first + tile_ar) < num_tiles)[None, :]
-            s_next = _h2_scales(s_base, first + tile_ar, rows, ok0, stride_sg, GROUP)
-            s_next_b = s_next
-            if TWO:
-                s_next_b = _h2_scales(s_base, first + tile_ar, rows_b, ok0, stride_sg, GROUP)
         for it in tl.range(0, per_split, TILES, num_stages=STAGES):
             tile = first + it + tile_ar
             ok = n_ok[:, None] & (tile < num_tiles)[None, :]
-            s_cur = s_next
-            s_cur_b = s_next_b
-            if S_AHEAD:  # the next step's scales, on their way while this step computes
-                ok_next = n_ok[:, None] & ((tile + TILES) < tl.minimum(num_tiles, first + per_split))[None, :]
-                s_next = _h2_scales(s_base, tile + TILES, rows, ok_next, stride_sg, GROUP)
-                s_next_b = s_next
-                if TWO:
-                    s_next_b = _h2_scales(s_base, tile + TILES, rows_b, ok_next, stride_sg, GROUP)
             w = _h2_words(w_src, rows, w_row, tile, ok, first + it, stride_qn, W_DESC)
             w_b = w
             if TWO:
                 w_b = _h2_words(w_src, rows_b, w_row_b, tile, ok, first + it, stride_qn, W_DESC)
             part, part_b = _h2_step(x_row, w, w_b, s_base, z_base, tile, rows, rows_b, ok, K, stride_sg, zlo, zhi,
-                                    zlo_b, zhi_b, s_cur, s_cur_b, BLOCK_N, TWO, HAS_ZERO, GROUP, X_SCALED, X_BCAST,
-                                    MASK, S_AHEAD, EMULATE)
+                                    zlo_b, zhi_b, BLOCK_N, TWO, HAS_ZERO, GROUP, X_SCALED, X_BCAST, MASK, EMULATE)
             acc += part
             if TWO:
                 acc_b += part_b
@@ -509,7 +477,7 @@ def _gate_up_h2_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
     W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, TRIGGER_START: tl.constexpr,
-    ZERO_COUNTS: tl.constexpr, S_AHEAD: tl.constexpr, EMULATE: tl.constexpr,
+    ZERO_COUNTS: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """`_gate_up_gemv_kernel` with the packed-fp16 dot (`_h2_rows`); W_DESC: w_ptr is a TMA descriptor over all
     experts' words as [E * Np, tiles, 16] (expert e's rows from e * rows_per_expert). PDL: launched as a
@@ -531,7 +499,7 @@ def _gate_up_h2_kernel(
         gate, up = _h2_rows(x_ptr + (p // TOP_K).to(tl.int64) * stride_xt, w_src, s_ptr + e64 * stride_se,
                             z_ptr + e64 * stride_se, rows, rows + I, w_row, w_row + I, n_ok, H, 0, tl.cdiv(H, 128),
                             stride_wn, stride_sg, 0, BLOCK_N, TILES, STAGES, True, HAS_ZERO, GROUP, X_SCALED, X_BCAST,
-                            W_DESC, MASK, False, S_AHEAD, EMULATE)
+                            W_DESC, MASK, False, EMULATE)
         if not TRIGGER_START:
             _pdl_launch_dependents(PDL)
         act = gate / (1.0 + tl.exp(-gate)) * up
@@ -568,7 +536,7 @@ def _down_h2_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
     HAS_ZERO: tl.constexpr, GROUP: tl.constexpr, X_SCALED: tl.constexpr, X_BCAST: tl.constexpr,
     W_DESC: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr, FOLD: tl.constexpr,
-    S_AHEAD: tl.constexpr, EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """`_down_gemv_kernel` with the packed-fp16 dot, split over K on grid axis 2: split s writes its fp32 partial
     sums to pair_out[s] (the combine adds the splits). PDL as in `_gate_up_h2_kernel` (the combine after it).
@@ -596,8 +564,7 @@ def _down_h2_kernel(
         acc, _ = _h2_rows(inter_ptr + p.to(tl.int64) * stride_it, w_src, s_ptr + e64 * stride_se,
                           z_ptr + e64 * stride_se, rows, rows, e * rows_per_expert + first_row, 0, n_ok, I,
                           first, tiles_per_split, stride_wn, stride_sg, w_pre, BLOCK_N, TILES, STAGES, False,
-                          HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, PRELOAD, S_AHEAD and not PRELOAD,
-                          EMULATE)
+                          HAS_ZERO, GROUP, X_SCALED, X_BCAST, W_DESC, MASK, PRELOAD, EMULATE)
         _pdl_launch_dependents(PDL)
         acc *= tl.load(topk_w_ptr + p).to(tl.float32)
         tl.store(pair_out_ptr + split.to(tl.int64) * stride_split + p.to(tl.int64) * stride_pt + rows,

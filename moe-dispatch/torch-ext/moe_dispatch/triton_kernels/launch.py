@@ -303,10 +303,7 @@ def _h2_flags(plan: dict, x_dtype: torch.dtype, k: int, per_split: int, fmt: dic
     """The launch options of a packed-fp16 GEMV: the plan's block sizes, the format, the x conversion, whether a
     loop step reaches past K or the last tile (MASK), programmatic dependent launch."""
     pdl = _pdl(plan, device)
-    # E72: "SCALES_AHEAD" loads each step's group scales a step early (symmetric scale groups only)
-    ahead = _plan_choice(plan, "SCALES_AHEAD", (False, True), False) and fmt["GROUP"] != -1 and not fmt["HAS_ZERO"]
-    return dict(PDL=pdl, launch_pdl=pdl, S_AHEAD=ahead, BLOCK_N=plan["BLOCK_N"], TILES=plan["TILES"],
-                STAGES=plan["num_stages"],
+    return dict(PDL=pdl, launch_pdl=pdl, BLOCK_N=plan["BLOCK_N"], TILES=plan["TILES"], STAGES=plan["num_stages"],
                 HAS_ZERO=fmt["HAS_ZERO"], GROUP=fmt["GROUP"], X_SCALED=x_dtype != torch.float16,
                 X_BCAST=bool(plan.get("X_BCAST", False)), W_DESC=bool(plan.get("TMA", False)),
                 MASK=k % 128 != 0 or per_split % plan["TILES"] != 0 or triton.cdiv(k, 128) % per_split != 0,
