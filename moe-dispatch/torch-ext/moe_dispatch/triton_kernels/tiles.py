@@ -329,4 +329,3 @@ def _pdl_wait(PDL: tl.constexpr):
 def _pdl_launch_dependents(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
