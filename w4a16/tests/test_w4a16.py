@@ -52,6 +52,9 @@ CONFIGS = {  # one per launch path, with split-K, prefetch, the full-tile dot an
                           "half2": True},
     "gemv-half2-tma": {"kernel": "gemv", "block_n": 32, "tiles": 2, "split_k": 2, "num_stages": 3, "x_bcast": True,
                        "tma": True, "half2": True},
+    # 4 programs (the interpreter's SM count) taking rows x splits x tokens items in turn
+    "gemv-half2-persistent": {"kernel": "gemv", "block_n": 32, "tiles": 2, "split_k": 2, "num_stages": 3,
+                              "x_bcast": True, "tma": True, "half2": {"persistent": 1}},
     # As the tuned tables write it: the fp32 GEMV's tiles, and the packed-fp16 GEMV's own where it applies.
     "gemv-half2-own-tiles": {"kernel": "gemv", "block_n": 64, "tiles": 2, "split_k": 1,
                              "half2": {"block_n": 32, "tiles": 1, "split_k": 2, "prefetch": True}},
@@ -506,11 +509,21 @@ def test_pdl_trigger_checked(k, monkeypatch, trigger):
                                 plan)
 
 
+@pytest.mark.parametrize("per_sm", [0, True, 1.5])
+def test_persistent_checked(k, per_sm):
+    """A "persistent" that is not a positive count is refused by name."""
+    with pytest.raises(ValueError, match="persistent"):
+        k.triton_kernels.launch._persistent_grid({"persistent": per_sm}, (4, 2, 1), torch.device("cpu"))
+
+
 def test_nf4_lookup_choice_is_checked(k):
     """"nf4_shfl" takes true, false or "half"; anything else is refused by name before a launch."""
     with pytest.raises(ValueError, match="nf4_shfl"):
         k.triton_kernels.launch._nf4_shuffled_halves({"nf4_shfl": "all"}, torch.zeros(16))
     assert k.triton_kernels.launch._nf4_shuffled_halves({"nf4_shfl": True}, None) == 0  # int4: no lookup
+    with pytest.raises(ValueError, match="nf4_smem"):
+        k.triton_kernels.launch._nf4_table_flags({"nf4_smem": "yes"}, torch.zeros(16))
+    assert k.triton_kernels.launch._nf4_table_flags({"nf4_smem": True}, None) == {}  # int4: no table
 
 
 def test_resolve_makes_every_choice_once(k):

@@ -594,10 +594,12 @@ def test_nf4_dot_vs_float64(k, group_size, dtype, swap_ab, descs, nf4_tables, ha
 @pytest.mark.parametrize("pipeline", [{}, {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True},
                                       {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True, "num_warps": 2}],
                          ids=["plain", "bcast-tma", "bcast-tma-2warps"])
-@pytest.mark.parametrize("lookup", [{}, {"nf4_shfl": True}, {"nf4_shfl": "half"}], ids=["prmt", "shfl", "shfl-half"])
+@pytest.mark.parametrize("lookup", [{}, {"nf4_shfl": True}, {"nf4_shfl": "half"}, {"nf4_smem": True}],
+                         ids=["prmt", "shfl", "shfl-half", "smem"])
 def test_half2_gemv_nf4_vs_float64(k, group_size, dtype, pipeline, lookup):
-    """NF4 through the packed-fp16 GEMV (codebook looked up with PRMT byte permutes or warp shuffles, inline PTX),
-    with groups of 64 (each half of a 128-column tile scaled apart), on poisoned outputs against float64."""
+    """NF4 through the packed-fp16 GEMV (codebook looked up with PRMT byte permutes, warp shuffles or the
+    shared-memory pair table, inline PTX), with groups of 64 (each half of a 128-column tile scaled apart), on
+    poisoned outputs against float64."""
     n, kk = 3000, 5120
     qw = k.quantize(_weight(n, kk, dtype, seed=8), group_size=group_size, fmt="nf4")
     x = torch.randn(2, kk, device="cuda", dtype=dtype)
@@ -605,6 +607,29 @@ def test_half2_gemv_nf4_vs_float64(k, group_size, dtype, pipeline, lookup):
     config = {"kernel": "gemv", "block_n": 8, "tiles": 8, "split_k": 3, "num_warps": 4, "half2": True, **pipeline,
               **lookup}
     _check_launch(k, x, qw, None, config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pipeline", [{"block_n": 8, "tiles": 8, "split_k": 3, "num_warps": 4},
+                                      {"block_n": 16, "tiles": 8, "num_warps": 2, "num_stages": 3, "x_bcast": True,
+                                       "tma": True}], ids=["plain-split", "bcast-tma-2warps"])
+def test_half2_gemv_nf4_pair_table_keeps_the_bits(k, dtype, pipeline):
+    """The shared-memory pair table (`nf4_smem`), alone or in persistent programs, gives the PRMT lookup's output
+    bit for bit: all take the codebook / 16 rounded to fp16 and sum the same products in the same order. The TMA
+    plan's 24 KB ring with the 32 KB table is over the driver's default 48 KB (the launcher's load hook)."""
+    n, kk = 3000, 5120
+    qw = k.quantize(_weight(n, kk, dtype, seed=9), group_size=64, fmt="nf4")
+    x = torch.randn(1, kk, device="cuda", dtype=dtype)
+    config = {"kernel": "gemv", "half2": True, **pipeline}
+    outs = []
+    for lookup in ({}, {"nf4_smem": True}, {"nf4_smem": True, "persistent": 1}):
+        out = torch.full((1, n), float("nan"), device="cuda", dtype=dtype)
+        k.triton_kernels.matmul(x, qw.qweight, qw.scales, None, qw.codebook, None, n, kk, 64, {**config, **lookup},
+                                out=out)
+        outs.append(out)
+    for out in outs[1:]:
+        assert not out.isnan().any()
+        assert torch.equal(out, outs[0])
 
 
 SWIGLU_CONFIGS = {  # every path with the SwiGLU epilogue; resolve makes the GEMVs' 8-row tiles 16-row ones
@@ -726,6 +751,10 @@ DEPENDENT_LAUNCHES = [  # (m, config): each decode kernel, split-K (its reductio
     (1, {"kernel": "gemv", "half2": {"block_n": 16, "tiles": 8, "num_warps": 2, "num_stages": 3, "x_bcast": True,
                                      "tma": True, "pdl_trigger": "start"}}),
     (1, {"kernel": "gemv", "half2": {"block_n": 8, "tiles": 8, "num_warps": 4, "split_k": 2, "pdl_trigger": "start"}}),
+    # E73: persistent programs, the trigger after a program's last item or at its start
+    (1, {"kernel": "gemv", "half2": {"block_n": 8, "tiles": 8, "num_warps": 4, "split_k": 2, "persistent": 2}}),
+    (1, {"kernel": "gemv", "half2": {"block_n": 16, "tiles": 8, "num_warps": 2, "num_stages": 3, "x_bcast": True,
+                                     "tma": True, "persistent": 1, "pdl_trigger": "start"}}),
     (4, {**CONFIGS[3], "mma": {"num_warps": 2, "tiles": 2, "stages": 4, "split_k": 2}}),
     (13, {**CONFIGS[3], "mma": {"block_m": 16, "num_warps": 4, "reps": 2, "tiles": 2, "stages": 3}}),
     (64, {"kernel": "dot", "block_m": 64, "block_n": 64, "split_k": 2, "swap_ab": True, "full_tile": True,
@@ -738,7 +767,8 @@ DEPENDENT_LAUNCHES = [  # (m, config): each decode kernel, split-K (its reductio
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs sm_90+")
 @pytest.mark.parametrize("m,config", DEPENDENT_LAUNCHES,
-                         ids=["h2", "h2-tma-split3", "h2-tma-start", "h2-split2-start", "mma-split2",
+                         ids=["h2", "h2-tma-split3", "h2-tma-start", "h2-split2-start", "h2-split2-persistent",
+                              "h2-tma-persistent-start", "mma-split2",
                               "mma-16x128", "dot-tma-split2", "dot-128x64"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dependent_launch_chains(k, m, config, dtype):

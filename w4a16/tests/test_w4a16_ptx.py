@@ -1,6 +1,6 @@
 """The NF4 codebook lookups' inline PTX, run on the CPU by a small emulator of the integer instructions they use
-(mov, and, shr, prmt, lop3, and shfl.sync.idx over warps of 32 lanes: element i of a vector is lane i % 32), bit for
-bit against a direct lookup of the codebook.
+(mov, and, shl, shr, add, prmt, lop3, shfl.sync.idx over warps of 32 lanes: element i of a vector is lane i % 32, and
+32-bit shared-memory loads and vector stores), bit for bit against a direct lookup of the codebook.
 
 The interpreter runs the kernels' EMULATE branches instead of their PTX, so without this a GPU run would be the
 first to execute the lookups. The emulator knows only these instructions: PTX using another one fails here.
@@ -50,20 +50,56 @@ def _shfl_idx(a, b, c, mask):
 
 
 OPS = {"mov.b32": lambda a: a, "mov.u32": lambda a: a, "and.b32": lambda a, b: a & b, "shr.u32": lambda a, b: a >> b,
-       "shr.b32": lambda a, b: a >> b, "prmt.b32": _prmt, "lop3.b32": _lop3, "shfl.sync.idx.b32": _shfl_idx}
+       "shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: a << b, "add.u32": lambda a, b: a + b,
+       "prmt.b32": _prmt, "lop3.b32": _lop3, "shfl.sync.idx.b32": _shfl_idx}
 
 
-def _run_ptx(text: str, registers: dict) -> dict:
+class SharedMemory:
+    """32-bit words of a program's shared memory, with the addresses of the last load (to check its banks)."""
+
+    def __init__(self, size: int = 1 << 16):
+        self.words = np.zeros(size // 4, dtype=np.uint64)
+        self.last_load = None
+
+    @staticmethod
+    def _index(address):
+        assert np.all(address % np.uint64(4) == 0), "unaligned 32-bit access"
+        return (address // np.uint64(4)).astype(np.int64)
+
+    def load(self, address):
+        self.last_load = address
+        return self.words[self._index(address)]
+
+    def store(self, address, value):
+        self.words[self._index(address)] = value
+
+
+def _address(text: str, regs: dict, shape) -> np.ndarray:
+    """A PTX address operand, ``[reg]`` or ``[reg+imm]``."""
+    reg, _, offset = text.strip("[]").partition("+")
+    return regs[reg] + np.uint64(int(offset, 0) if offset else 0)
+
+
+def _run_ptx(text: str, registers: dict, shared: SharedMemory | None = None) -> dict:
     """Execute straight-line PTX on vectors of 32-bit values (1-D, whole warps); `registers` maps operand names to
-    arrays."""
+    arrays; `shared` backs ld.shared.b32 / st.shared.v4.b32 (stores in element order: duplicates store alike)."""
     shape = np.broadcast_shapes(*(np.shape(value) for value in registers.values()))
     regs = {name: np.broadcast_to(np.asarray(value, dtype=np.uint64), shape) for name, value in registers.items()}
     regs["%laneid"] = np.arange(int(np.prod(shape)), dtype=np.uint64).reshape(shape) % np.uint64(32)
-    for line in text.replace("{", "\n").replace("}", "\n").split("\n"):
+    for line in text.split("\n"):
         line = line.strip().rstrip(";")
-        if not line or line.startswith(".reg"):
+        if line in ("", "{", "}") or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
+        if op == "ld.shared.b32":
+            dest, address = (arg.strip() for arg in args.split(",", 1))
+            regs[dest] = shared.load(_address(address, regs, shape))
+            continue
+        if op == "st.shared.v4.b32":
+            address, values = (arg.strip() for arg in args.split(",", 1))
+            for i, name in enumerate(v.strip() for v in values.strip("{}").split(",")):
+                shared.store(_address(address, regs, shape) + np.uint64(4 * i), regs[name])
+            continue
         dest, *srcs = (arg.strip() for arg in args.split(","))
         if op not in OPS:
             raise AssertionError(f"the emulator does not know {op!r}: teach it before trusting this PTX")
@@ -197,3 +233,42 @@ def test_emulated_shuffle_reads_other_lanes(k, codebook_bits):
     text = k.triton_kernels.nf4.nf4_shfl_pair_asm("W", 0, "W", 1, "out", "T")
     regs = _run_ptx(text, {"W": words, "T": bits[_nibble(words, 0)]})
     assert not np.array_equal(regs["out"], bits[_nibble(words, 0)] | bits[_nibble(words, 1)] << np.uint64(16))
+
+
+def _pair_table(k, bits, base):
+    """Shared memory after `_NF4_FILL_ASM` ran for the 256 entries, as `nf4._nf4_pair_table` runs it."""
+    nf4 = k.triton_kernels.nf4
+    entry = np.arange(256, dtype=np.uint64)
+    shared = SharedMemory()
+    text = nf4._NF4_FILL_ASM
+    _run_ptx(getattr(text, "value", text), {"$1": np.uint64(base) + entry * np.uint64(128),
+                                             "$2": bits[entry & np.uint64(15)] | bits[entry >> np.uint64(4)] << np.uint64(16)},
+             shared)
+    return shared
+
+
+@pytest.mark.parametrize("byte", range(4))
+def test_pair_table_gives_the_pair_of_each_byte_from_the_lanes_own_bank(k, codebook_bits, byte):
+    """`nf4_pair_table_asm` on a filled table: byte i of a word reads (codebook[nibble 2i], codebook[nibble
+    2i + 1]), and lane l always from bank l (a warp's lookups never conflict)."""
+    bits, _ = codebook_bits
+    base = 0x400
+    shared = _pair_table(k, bits, base)
+    words = _words(seed=11)
+    lane = np.arange(words.size, dtype=np.uint64) % np.uint64(32)
+    regs = _run_ptx(k.triton_kernels.nf4.nf4_pair_table_asm("W", byte, "L", "B", "out"),
+                    {"W": words, "L": lane * np.uint64(4), "B": np.uint64(base)}, shared)
+    assert np.array_equal(regs["out"], bits[_nibble(words, 2 * byte)] | bits[_nibble(words, 2 * byte + 1)] << np.uint64(16))
+    assert np.array_equal(shared.last_load // np.uint64(4) % np.uint64(32), lane)
+
+
+def test_pair_table_lookup_needs_the_lane_column(k, codebook_bits):
+    """The check can fail: a table filled only in lane 0's column reads zeros elsewhere."""
+    bits, _ = codebook_bits
+    shared = _pair_table(k, bits, 0x400)
+    shared.words[0x100:0x100 + 8192][np.arange(8192) % 32 != 0] = 0
+    words = _words(seed=12)
+    lane = np.arange(words.size, dtype=np.uint64) % np.uint64(32)
+    regs = _run_ptx(k.triton_kernels.nf4.nf4_pair_table_asm("W", 1, "L", "B", "out"),
+                    {"W": words, "L": lane * np.uint64(4), "B": np.uint64(0x400)}, shared)
+    assert not np.array_equal(regs["out"], bits[_nibble(words, 2)] | bits[_nibble(words, 3)] << np.uint64(16))

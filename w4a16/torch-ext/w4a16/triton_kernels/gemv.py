@@ -5,7 +5,8 @@ import triton
 import triton.language as tl
 
 from .common import _MAGIC, _MAGIC_BITS, _WORDS, _i32, _pdl_launch_dependents, _pdl_wait, _swiglu_rows, _word_tiles
-from .nf4 import _nf4_lane_table, _nf4_tables, nf4_lookup_asm, nf4_shfl_pair_asm
+from .nf4 import (_nf4_lane_offsets, _nf4_lane_table, _nf4_pair_table, _nf4_tables, nf4_lookup_asm,
+                  nf4_pair_table_asm, nf4_shfl_pair_asm)
 
 
 @triton.jit
@@ -336,14 +337,24 @@ def _nf4_word_dot_asm(shuffled: int) -> tuple[str, str]:
 _NF4_ASM, _NF4_CONSTRAINTS = (tl.constexpr(v) for v in _nf4_word_dot_asm(0))
 _NF4_HALF_SHFL_ASM, _NF4_HALF_SHFL_CONSTRAINTS = (tl.constexpr(v) for v in _nf4_word_dot_asm(1))
 _NF4_SHFL_ASM, _NF4_SHFL_CONSTRAINTS = (tl.constexpr(v) for v in _nf4_word_dot_asm(2))
+# `_nf4_word_dot`'s sums with the pairs from the shared-memory table (`nf4.nf4_pair_table_asm`): operands $2 the
+# word, $3 4 x the lane, $4 the table's base, $5-$8 the x pairs.
+_NF4_SMEM_ASM = tl.constexpr(
+    "{\n.reg .b32 a, p, q, t;\n.reg .b16 l16, h16;\n"
+    + "".join(nf4_pair_table_asm("$2", 2 * half, "$3", "$4", "p") + nf4_pair_table_asm("$2", 2 * half + 1, "$3", "$4", "q")
+              + _NF4_PAIRS_DOT_ASM.replace("XA", f"${5 + 2 * half}").replace("XB", f"${6 + 2 * half}")
+              .replace("OUT", f"${half}") for half in range(2))
+    + "}")
 
 
 @triton.jit
-def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, lane_table, EMULATE: tl.constexpr, SHFL: tl.constexpr):
+def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, lane_table, EMULATE: tl.constexpr, SHFL: tl.constexpr,
+                  SMEM: tl.constexpr = False):
     """sum_j codebook[code_j] / 16 * x_j over nibbles 0-3 and over 4-7 of each word, as two fp32 tensors.
     xp_J packs the x of nibbles 2J (low half) and 2J + 1. SHFL (0, 1, 2): that many of the two halves looked up
-    by warp shuffles from `lane_table` (`nf4._nf4_lane_table`), the rest by PRMT (`_nf4_word_dot_asm`). EMULATE
-    computes the same in fp32."""
+    by warp shuffles from `lane_table` (`nf4._nf4_lane_table`), the rest by PRMT (`_nf4_word_dot_asm`). SMEM:
+    both by the shared-memory pair table, `tables` then (4 x lane, table base). EMULATE computes the same in
+    fp32."""
     if EMULATE:
         lo = tl.zeros(w.shape, dtype=tl.float32)
         hi = tl.zeros(w.shape, dtype=tl.float32)
@@ -357,6 +368,11 @@ def _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, lane_table, EMULATE: tl
             else:
                 hi += term
         return lo, hi
+    elif SMEM:
+        lane, base = tables
+        return tl.inline_asm_elementwise(_NF4_SMEM_ASM, "=f,=f,r,r,r,r,r,r,r",
+                                         [w, lane, tl.broadcast_to(base, w.shape), xp0, xp1, xp2, xp3],
+                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
     elif SHFL == 2:
         return tl.inline_asm_elementwise(_NF4_SHFL_ASM, _NF4_SHFL_CONSTRAINTS, [w, lane_table, xp0, xp1, xp2, xp3],
                                          dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
@@ -411,7 +427,8 @@ def _x_to_fp16_kernel(x_ptr, xh_ptr, xs_ptr, K, num_tiles, stride_xm, stride_hm,
 
 
 @triton.jit
-def _gemv_h2_kernel(
+def _gemv_h2_item(
+    pid_n, pid_k, m, tables, lane_table,
     x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
     N, K, num_tiles, tiles_per_split, group_size,
     stride_xm, stride_qn, stride_sg, stride_om, stride_split,
@@ -420,29 +437,11 @@ def _gemv_h2_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
     X_BCAST: tl.constexpr, W_DESC: tl.constexpr, EMULATE: tl.constexpr, SWIGLU: tl.constexpr,
-    PDL: tl.constexpr, NF4_SHFL: tl.constexpr = 0, TRIGGER_START: tl.constexpr = False,
+    PDL: tl.constexpr, NF4_SHFL: tl.constexpr, NF4_SMEM: tl.constexpr, TRIGGER_AFTER_LOOP: tl.constexpr,
 ):
-    """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
-    `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
-    bf16 activations made fp16 by `_x_to_fp16_kernel`, with each tile's scale undone from ``xs``). NF4
-    looks the codebook up with `_NF4_ASM` instead, with groups of 64 too (HALF_GROUPS). INT4_GROUPS (2 or 4):
-    int4 scale groups of 64 or 32 columns, symmetric or with float minima (`_H2_GROUPS_ASM`); HAS_MIN (any
-    int4 group size) takes the codes centred like symmetric ones and adds ``(min + 8 scale) * sum(x)`` per group,
-    from x sums of the packed pairs (`_X_GROUP_SUMS_ASM`).
-
-    Every (row, tile, word) element keeps its own fp32 accumulator (one FFMA with its group's scale per
-    word); the reductions over words and tiles happen once, after the K loop.
-
-    STAGES > 1 software-pipelines the weight tiles through a shared-memory ring (cp.async, or with W_DESC a
-    TMA descriptor ``qw_ptr`` over ``[rows, num_tiles, 16]`` words, boxes of [BLOCK_N, TILES, 16]).
-
-    SWIGLU as in `_gemv_kernel`. PDL: launched as a programmatic dependent of the kernel before
-    (`common._pdl_wait`), the next one let launch after the K loop, or with TRIGGER_START (E66) right after the
-    wait.
-    """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m = tl.program_id(2).to(tl.int64)
+    """One work item of `_gemv_h2_kernel`: rows pid_n * BLOCK_N.. of token m over split pid_k's K-tiles, with the
+    NF4 lookup's `tables` / `lane_table` made once per program; TRIGGER_AFTER_LOOP lets the next kernel launch after
+    the K loop."""
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tile_ar = tl.arange(0, TILES)
     col = tl.arange(0, _WORDS)
@@ -450,9 +449,6 @@ def _gemv_h2_kernel(
         w_ptrs = qw_ptr + rows.to(tl.int64)[:, None, None] * stride_qn + col[None, None, :]
     x_row = x_ptr + m * stride_xm
     first = pid_k * tiles_per_split
-    _pdl_wait(PDL)
-    if TRIGGER_START:
-        _pdl_launch_dependents(PDL)
     acc = tl.zeros([BLOCK_N, TILES, _WORDS], dtype=tl.float32)
     # with float minima too: code * scale + min = (code - 8) * scale + (min + 8 scale), so the fp16 partial sums
     # stay centred (uncentred codes made them large, and the min term cancelled them: 4x the rounding error)
@@ -463,12 +459,6 @@ def _gemv_h2_kernel(
         if HAS_ZERO:
             zero = tl.load(z_ptr + rows).to(tl.int32)[:, None, None]
             zlo, zhi = _h2_zero_pairs(tl.broadcast_to(zero, (BLOCK_N, TILES, _WORDS)), EMULATE)
-    tables = 0
-    lane_table = 0
-    if NF4 and not EMULATE:
-        tables = _nf4_tables(cb_ptr, True)
-        if NF4_SHFL > 0:
-            lane_table = _nf4_lane_table(tables, [BLOCK_N, TILES, _WORDS])
     if PREFETCH:
         w_next = _word_tiles(w_ptrs, first + tile_ar, (first + tile_ar < num_tiles) & (tile_ar < tiles_per_split), True)
     for it in tl.range(0, tiles_per_split, TILES, num_stages=STAGES):
@@ -521,7 +511,8 @@ def _gemv_h2_kernel(
             x_scale = tl.load(xs_ptr + m * num_tiles + x_tile, mask=x_tile < num_tiles, other=0.0)[None, :]
             s = s * x_scale
         if NF4:
-            part, part_hi = _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, lane_table, EMULATE, NF4_SHFL)
+            part, part_hi = _nf4_word_dot(w, tables, cb_ptr, xp0, xp1, xp2, xp3, lane_table, EMULATE, NF4_SHFL,
+                                          NF4_SMEM)
             if HALF_GROUPS:  # columns 64-127 of the tile are the next scale group: both halves scaled here
                 s_hi = tl.load(s_ptr + param_offs + stride_sg, mask=live[None, :], other=0.0).to(tl.float32)
                 if X_SCALED:
@@ -562,10 +553,74 @@ def _gemv_h2_kernel(
         if MASK_TILES:
             part = tl.where(live[None, :, None], part, 0.0)
         acc += part * s[:, :, None]  # a multiply by the constant 1.0 (per channel, unscaled x) folds away
-    if not TRIGGER_START:
+    if TRIGGER_AFTER_LOOP:
         _pdl_launch_dependents(PDL)
     result = tl.sum(tl.sum(acc, axis=2), axis=1) * 16.0
     if PER_CHANNEL:
         result = result * scale
     _store_gemv_rows(result, rows, N, m, pid_n, pid_k, bias_ptr, out_ptr, stride_om, stride_split, HAS_BIAS, PARTIAL,
                      SWIGLU)
+
+
+@triton.jit
+def _gemv_h2_kernel(
+    x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
+    N, K, num_tiles, tiles_per_split, group_size,
+    stride_xm, stride_qn, stride_sg, stride_om, stride_split,
+    HAS_ZERO: tl.constexpr, HAS_MIN: tl.constexpr, PER_CHANNEL: tl.constexpr, X_SCALED: tl.constexpr,
+    NF4: tl.constexpr, HALF_GROUPS: tl.constexpr, INT4_GROUPS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, MASK_X: tl.constexpr, MASK_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    X_BCAST: tl.constexpr, W_DESC: tl.constexpr, EMULATE: tl.constexpr, SWIGLU: tl.constexpr,
+    PDL: tl.constexpr, NF4_SHFL: tl.constexpr = 0, TRIGGER_START: tl.constexpr = False, NF4_SMEM: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False, row_blocks=1, splits=1, items=1,
+):
+    """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
+    `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
+    bf16 activations made fp16 by `_x_to_fp16_kernel`, with each tile's scale undone from ``xs``). NF4
+    looks the codebook up with `_NF4_ASM` instead, with groups of 64 too (HALF_GROUPS). INT4_GROUPS (2 or 4):
+    int4 scale groups of 64 or 32 columns, symmetric or with float minima (`_H2_GROUPS_ASM`); HAS_MIN (any
+    int4 group size) takes the codes centred like symmetric ones and adds ``(min + 8 scale) * sum(x)`` per group,
+    from x sums of the packed pairs (`_X_GROUP_SUMS_ASM`).
+
+    Every (row, tile, word) element keeps its own fp32 accumulator (one FFMA with its group's scale per
+    word); the reductions over words and tiles happen once, after the K loop.
+
+    STAGES > 1 software-pipelines the weight tiles through a shared-memory ring (cp.async, or with W_DESC a
+    TMA descriptor ``qw_ptr`` over ``[rows, num_tiles, 16]`` words, boxes of [BLOCK_N, TILES, 16]).
+
+    SWIGLU as in `_gemv_kernel`. PDL: launched as a programmatic dependent of the kernel before
+    (`common._pdl_wait`), the next one let launch after the K loop, or with TRIGGER_START (E66) right after the
+    wait.
+
+    PERSISTENT: a 1-D grid whose programs take the ``items`` (row blocks x splits x tokens, row blocks first) in
+    turn, so that per-program set-up (the NF4 pair table: 32 KB of shared memory stores) is paid once a program
+    rather than once an item; the next kernel then launches after a program's last item.
+    """
+    tables = 0
+    lane_table = 0
+    if NF4 and not EMULATE:
+        if NF4_SMEM:  # filled before the wait: the codebook is not the previous kernel's output
+            base = _nf4_pair_table(cb_ptr)
+            tables = (_nf4_lane_offsets(base, [BLOCK_N, TILES, _WORDS]), base)
+        else:
+            tables = _nf4_tables(cb_ptr, True)
+            if NF4_SHFL > 0:
+                lane_table = _nf4_lane_table(tables, [BLOCK_N, TILES, _WORDS])
+    _pdl_wait(PDL)
+    if TRIGGER_START:
+        _pdl_launch_dependents(PDL)
+    if PERSISTENT:
+        for item in range(tl.program_id(0), items, tl.num_programs(0)):
+            _gemv_h2_item(item % row_blocks, (item // row_blocks) % splits, (item // (row_blocks * splits)).to(tl.int64),
+                          tables, lane_table, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
+            N, K, num_tiles, tiles_per_split, group_size, stride_xm, stride_qn, stride_sg, stride_om, stride_split,
+            HAS_ZERO, HAS_MIN, PER_CHANNEL, X_SCALED, NF4, HALF_GROUPS, INT4_GROUPS, HAS_BIAS, PARTIAL, MASK_X,
+            MASK_TILES, BLOCK_N, TILES, STAGES, PREFETCH, X_BCAST, W_DESC, EMULATE, SWIGLU, PDL, NF4_SHFL, NF4_SMEM, False)
+        _pdl_launch_dependents(PDL and not TRIGGER_START)
+    else:
+        _gemv_h2_item(tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64), tables, lane_table,
+                      x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
+            N, K, num_tiles, tiles_per_split, group_size, stride_xm, stride_qn, stride_sg, stride_om, stride_split,
+            HAS_ZERO, HAS_MIN, PER_CHANNEL, X_SCALED, NF4, HALF_GROUPS, INT4_GROUPS, HAS_BIAS, PARTIAL, MASK_X,
+            MASK_TILES, BLOCK_N, TILES, STAGES, PREFETCH, X_BCAST, W_DESC, EMULATE, SWIGLU, PDL, NF4_SHFL, NF4_SMEM, not TRIGGER_START)

@@ -15,6 +15,7 @@ from .common import _splitk_reduce_kernel
 from .dequant import _dequant_kernel
 from .dot import _dot_kernel
 from .gemv import _gemv_h2_kernel, _gemv_kernel, _x_to_fp16_kernel
+from .nf4 import NF4_PAIR_TABLE
 
 
 def _format_flags(zeros, mins, codebook, group_size) -> dict:
@@ -113,6 +114,64 @@ def _launch_gemv(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gro
         _reduce_splits(target, bias, out, n, plan.get("swiglu", False))
 
 
+def _nf4_table_flags(plan: dict, codebook) -> dict:
+    """The packed GEMV's "nf4_smem" (E73): NF4 looked up in a shared-memory pair table, linked from
+    `nf4_table.ll`; refused by name unless a boolean."""
+    choice = plan.get("nf4_smem", False)
+    if choice not in (False, True):
+        raise ValueError(f"config: nf4_smem must be true or false; got {choice!r}")
+    if not choice or codebook is None or interpreting():
+        return {}
+    _allow_static_shared_memory()
+    return dict(NF4_SMEM=True, extern_libs={"nf4_table": NF4_PAIR_TABLE.value})
+
+
+@functools.cache
+def _libcuda():
+    import ctypes
+
+    return ctypes.CDLL("libcuda.so.1")
+
+
+@functools.cache
+def _allow_static_shared_memory() -> None:
+    """Triton's loader (3.6, driver.c `loadBinary`) raises a kernel's dynamic shared-memory limit only where its
+    own allocation is over 48 KB, while the driver's default caps static + dynamic at 48 KB; Triton kernels have
+    no static part unless one is linked in (the NF4 pair table), so such a kernel with 16-48 KB of its own would
+    fail to launch. A load hook (chained to any other) raises the limit of kernels that have a static part to
+    the card's opt-in maximum less that part, as the loader does above 48 KB."""
+    import ctypes
+
+    from triton import knobs
+
+    previous = knobs.runtime.kernel_load_end_hook
+
+    def hook(module, function, name, metadata_group, hash):
+        cuda, static, optin, device = _libcuda(), ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        cuda.cuFuncGetAttribute(ctypes.byref(static), 1, ctypes.c_void_p(function))  # SHARED_SIZE_BYTES
+        if static.value:
+            cuda.cuCtxGetDevice(ctypes.byref(device))
+            cuda.cuDeviceGetAttribute(ctypes.byref(optin), 97, device)  # MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+            cuda.cuFuncSetAttribute(ctypes.c_void_p(function), 8, optin.value - static.value)  # MAX_DYNAMIC_SHARED
+        if previous is not None:
+            previous(module, function, name, metadata_group, hash)
+
+    knobs.runtime.kernel_load_end_hook = hook
+
+
+def _persistent_grid(plan: dict, grid: tuple, device: torch.device) -> tuple[tuple, dict]:
+    """The packed GEMV's grid and flags for plan "persistent" (E73): at most that many programs an SM, taking the
+    grid's items in turn (a 1-D grid); absent, the grid as it is."""
+    per_sm = plan.get("persistent")
+    if per_sm is None:
+        return grid, {}
+    if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
+        raise ValueError(f"config: persistent must be a positive number of programs an SM; got {per_sm!r}")
+    items = grid[0] * grid[1] * grid[2]
+    programs = min(items, device_info(device)[1] * per_sm)
+    return (programs,), dict(PERSISTENT=True, row_blocks=grid[0], splits=grid[1], items=items)
+
+
 def _trigger_flag(plan: dict) -> dict:
     """The packed GEMV's "pdl_trigger" (E66, docs/design/w4a16.md), refused by name when malformed: "end", the
     default, lets the next kernel launch after the K loop; "start" right after the wait."""
@@ -125,6 +184,7 @@ def _trigger_flag(plan: dict) -> dict:
 def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     """`_gemv_h2_kernel` (`tuning.half2_supported` says for which formats)."""
     trigger = _trigger_flag(plan)
+    nf4_table = _nf4_table_flags(plan, codebook)
     grid, per_split, splits, target, flags = _gemv_grid(x, qweight, out, n, k, plan, bias)
     m, num_tiles = x.shape[0], qweight.shape[1] // WORDS_PER_TILE
     x_scaled = x.dtype == torch.bfloat16
@@ -142,7 +202,8 @@ def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, 
     if w_desc:  # TMA boxes of [block_n, tiles, 16] words (a host descriptor: encoded per launch, no scratch)
         qw = TensorDescriptor(qweight, [qweight.shape[0], num_tiles, WORDS_PER_TILE],
                               [qweight.stride(0), WORDS_PER_TILE, 1], [plan["block_n"], plan["tiles"], WORDS_PER_TILE])
-    _gemv_h2_kernel[grid](
+    h2_grid, persistent = _persistent_grid(plan, grid, qweight.device)
+    _gemv_h2_kernel[h2_grid](
         x, x_scales, qw, scales, _or(zeros, scales), _or(mins, scales), _or(codebook, scales), _or(bias, scales),
         target, n, k, num_tiles, per_split, qweight.shape[1] * 8 if group_size == -1 else group_size,
         x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2), m * n,
@@ -153,7 +214,7 @@ def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, 
         NF4_SHFL=_nf4_shuffled_halves(plan, codebook),
         # masked tiles mask x per tile (MASK_TILES); descriptor boxes are loaded in the loop, not ahead
         **dict(flags, MASK_X=k % 128 != 0, PREFETCH=flags["PREFETCH"] and not w_desc), PDL=pdl, launch_pdl=pdl,
-        **trigger,
+        **trigger, **nf4_table, **persistent,
     )
     if splits > 1:
         _reduce_splits(target, bias, out, n, plan.get("swiglu", False), pdl)

@@ -8,6 +8,8 @@ then their high bytes (`_nf4_tables`). One PRMT looks up 4 bytes at once in an 8
 half of each byte with one more PRMT (`nf4_select_asm`).
 """
 
+from pathlib import Path
+
 import triton
 import triton.language as tl
 
@@ -186,3 +188,63 @@ def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_
     p2, p6 = _nf4_pair_planes(q2, tile, rows, s_ptr, stride_sg, 2, group_size, SCALED, HALF_SCALE, DTYPE)
     p3, p7 = _nf4_pair_planes(q3, tile, rows, s_ptr, stride_sg, 3, group_size, SCALED, HALF_SCALE, DTYPE)
     return _natural_order(p0, p1, p2, p3, p4, p5, p6, p7)
+
+
+# The lookup by a shared-memory table of value pairs (`"nf4_smem"`, E73): the PRMT lookup's ~2.75 integer
+# instructions per weight saturate sm_90's integer pipe (E16) and shuffles the shuffle unit (E23), while one
+# 32-bit LDS returns the fp16 pair of a whole byte (2 nibbles). Entry b (a byte: nibbles 2i, 2i + 1 of a word) is
+# (codebook[b & 15], codebook[b >> 4]) / 16, repeated in 32 consecutive words, one per lane: lane l reads word
+# 32 b + l, so a warp's 32 lookups hit 32 banks whatever the bytes (one copy would average ~3.5-way conflicts).
+# 32 KB a program; per byte a shift and a LOP3 make the address, the table's base folds into the LDS.
+NF4_PAIR_TABLE = tl.constexpr(str(Path(__file__).with_name("nf4_table.ll")))
+NF4_PAIR_TABLE_BYTES = 256 * 32 * 4
+
+
+@tl.core.extern
+def _nf4_pair_table_base(unused, _semantic=None):
+    """The shared address of the pair table (`nf4_table.ll`, linked through the launch's extern_libs)."""
+    return tl.core.extern_elementwise("nf4_table", "", [unused],
+                                      {(tl.core.dtype("int32"),): ("nf4_pair_table_base", tl.core.dtype("int32"))},
+                                      is_pure=True, _semantic=_semantic)
+
+
+# One entry's 32 words (its pair $2 at $1 .. $1 + 127) by 8 vector stores.
+_NF4_FILL_ASM = tl.constexpr("".join(f"st.shared.v4.b32 [$1+{16 * i}], {{$2, $2, $2, $2}};\n" for i in range(8))
+                             + "mov.b32 $0, 0;")
+
+
+@triton.jit
+def _nf4_pair_table(cb_ptr):
+    """Fills the pair table from the codebook and returns its base address. Every thread of the program calls it
+    (it ends on a barrier); the codebook is a constant, so this may run before a dependent launch's wait."""
+    base = _nf4_pair_table_base(0)
+    entry = tl.arange(0, 256)
+    pair = _nf4_cb_sixteenth_bits(cb_ptr, entry & 15) | (_nf4_cb_sixteenth_bits(cb_ptr, entry >> 4) << 16)
+    tl.inline_asm_elementwise(_NF4_FILL_ASM, "=r,r,r", [base + entry * 128, pair], dtype=tl.int32, is_pure=False,
+                              pack=1)
+    tl.debug_barrier()
+    return base
+
+
+@triton.jit
+def _nf4_cb_sixteenth_bits(cb_ptr, code):
+    """codebook[code] / 16 as fp16 bits in the low half of an int32 (rounded as `_nf4_byte` rounds it)."""
+    return (tl.load(cb_ptr + code) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+_LANE_OFFSET_ASM = tl.constexpr("{\n.reg .b32 l;\nmov.u32 l, %laneid;\nshl.b32 $0, l, 2;\n}")
+
+
+@triton.jit
+def _nf4_lane_offsets(base, shape):
+    """4 x this thread's lane (the pair table's column), as a tensor of `shape` computed once per thread (scalar
+    operand, splat; see `_nf4_lane_table`)."""
+    return tl.inline_asm_elementwise(_LANE_OFFSET_ASM, "=r,r", [tl.broadcast_to(base, shape)], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+def nf4_pair_table_asm(word: str, byte: int, lane: str, base: str, out: str) -> str:
+    """PTX: `out` = the pair table's entry for byte `byte` of register `word` (its fp16 pair of nibbles 2 byte,
+    2 byte + 1), `lane` holding 4 x the lane and `base` the table's address; needs a .b32 register a."""
+    shift = f"shl.b32 a, {word}, 7;" if byte == 0 else f"shr.b32 a, {word}, {8 * byte - 7};"
+    return f"{shift}\nlop3.b32 a, a, 0x7F80, {lane}, 0xEA;\nadd.u32 a, a, {base};\nld.shared.b32 {out}, [a];\n"
