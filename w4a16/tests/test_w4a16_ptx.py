@@ -235,15 +235,14 @@ def test_emulated_shuffle_reads_other_lanes(k, codebook_bits):
     assert not np.array_equal(regs["out"], bits[_nibble(words, 0)] | bits[_nibble(words, 1)] << np.uint64(16))
 
 
-def _pair_table(k, bits, base):
-    """Shared memory after `_NF4_FILL_ASM` ran for the 256 entries, as `nf4._nf4_pair_table` runs it."""
-    nf4 = k.triton_kernels.nf4
-    entry = np.arange(256, dtype=np.uint64)
+def _pair_table(k, tables, base):
+    """Shared memory after `_NF4_FILL_ASM` ran for its 2048 elements, as `nf4._nf4_pair_table` runs it: each warp's
+    vector stores cover 512 contiguous bytes."""
+    quarter = np.arange(2048, dtype=np.uint64)
     shared = SharedMemory()
-    text = nf4._NF4_FILL_ASM
-    _run_ptx(getattr(text, "value", text), {"$1": np.uint64(base) + entry * np.uint64(128),
-                                             "$2": bits[entry & np.uint64(15)] | bits[entry >> np.uint64(4)] << np.uint64(16)},
-             shared)
+    text = k.triton_kernels.nf4._NF4_FILL_ASM
+    _run_ptx(getattr(text, "value", text), {"$1": quarter, "$2": np.uint64(base) + quarter * np.uint64(16),
+                                             **{f"${3 + i}": np.uint64(t) for i, t in enumerate(tables)}}, shared)
     return shared
 
 
@@ -251,9 +250,9 @@ def _pair_table(k, bits, base):
 def test_pair_table_gives_the_pair_of_each_byte_from_the_lanes_own_bank(k, codebook_bits, byte):
     """`nf4_pair_table_asm` on a filled table: byte i of a word reads (codebook[nibble 2i], codebook[nibble
     2i + 1]), and lane l always from bank l (a warp's lookups never conflict)."""
-    bits, _ = codebook_bits
+    bits, tables = codebook_bits
     base = 0x400
-    shared = _pair_table(k, bits, base)
+    shared = _pair_table(k, tables, base)
     words = _words(seed=11)
     lane = np.arange(words.size, dtype=np.uint64) % np.uint64(32)
     regs = _run_ptx(k.triton_kernels.nf4.nf4_pair_table_asm("W", byte, "L", "B", "out"),
@@ -264,8 +263,8 @@ def test_pair_table_gives_the_pair_of_each_byte_from_the_lanes_own_bank(k, codeb
 
 def test_pair_table_lookup_needs_the_lane_column(k, codebook_bits):
     """The check can fail: a table filled only in lane 0's column reads zeros elsewhere."""
-    bits, _ = codebook_bits
-    shared = _pair_table(k, bits, 0x400)
+    bits, tables = codebook_bits
+    shared = _pair_table(k, tables, 0x400)
     shared.words[0x100:0x100 + 8192][np.arange(8192) % 32 != 0] = 0
     words = _words(seed=12)
     lane = np.arange(words.size, dtype=np.uint64) % np.uint64(32)

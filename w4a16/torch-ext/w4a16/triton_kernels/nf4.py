@@ -208,9 +208,13 @@ def _nf4_pair_table_base(unused, _semantic=None):
                                       is_pure=True, _semantic=_semantic)
 
 
-# One entry's 32 words (its pair $2 at $1 .. $1 + 127) by 8 vector stores.
-_NF4_FILL_ASM = tl.constexpr("".join(f"st.shared.v4.b32 [$1+{16 * i}], {{$2, $2, $2, $2}};\n" for i in range(8))
-                             + "mov.b32 $0, 0;")
+# The fill, one 16-byte quarter-row of the table an element: element i stores entry i >> 3's pair (looked up in the
+# PRMT tables at $3-$10 by the nibbles of i >> 3) 4 times at $2. Consecutive lanes take consecutive elements, so a
+# warp's vector store covers 512 contiguous bytes: 4 wavefronts, no bank conflict (an entry a thread, 8 stores of
+# 16 bytes each, put a warp's 32 stores in the same 4 banks: 32-way conflicts, 8x the fill's time).
+_NF4_FILL_ASM = tl.constexpr("{\n.reg .b32 e, s, x, la, lb, ha, hb, lo, hi, p;\nshr.b32 e, $1, 3;\n"
+                             + nf4_lookup_asm("e", 3)
+                             + "prmt.b32 p, lo, hi, 0x5140;\nst.shared.v4.b32 [$2], {p, p, p, p};\nmov.b32 $0, 0;\n}")
 
 
 @triton.jit
@@ -218,18 +222,13 @@ def _nf4_pair_table(cb_ptr):
     """Fills the pair table from the codebook and returns its base address. Every thread of the program calls it
     (it ends on a barrier); the codebook is a constant, so this may run before a dependent launch's wait."""
     base = _nf4_pair_table_base(0)
-    entry = tl.arange(0, 256)
-    pair = _nf4_cb_sixteenth_bits(cb_ptr, entry & 15) | (_nf4_cb_sixteenth_bits(cb_ptr, entry >> 4) << 16)
-    tl.inline_asm_elementwise(_NF4_FILL_ASM, "=r,r,r", [base + entry * 128, pair], dtype=tl.int32, is_pure=False,
-                              pack=1)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _nf4_tables(cb_ptr, True)
+    quarter = tl.arange(0, 2048)  # 256 entries x 8 quarter-rows of 16 bytes
+    tables = [tl.broadcast_to(t, quarter.shape) for t in (t0, t1, t2, t3, t4, t5, t6, t7)]
+    tl.inline_asm_elementwise(_NF4_FILL_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [quarter, base + quarter * 16] + tables,
+                              dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
     return base
-
-
-@triton.jit
-def _nf4_cb_sixteenth_bits(cb_ptr, code):
-    """codebook[code] / 16 as fp16 bits in the low half of an int32 (rounded as `_nf4_byte` rounds it)."""
-    return (tl.load(cb_ptr + code) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
 
 
 _LANE_OFFSET_ASM = tl.constexpr("{\n.reg .b32 l;\nmov.u32 l, %laneid;\nshl.b32 $0, l, 2;\n}")
