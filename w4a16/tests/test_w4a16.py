@@ -523,6 +523,8 @@ def test_nf4_lookup_choice_is_checked(k):
     assert k.triton_kernels.launch._nf4_shuffled_halves({"nf4_shfl": True}, None) == 0  # int4: no lookup
     with pytest.raises(ValueError, match="nf4_smem"):
         k.triton_kernels.launch._nf4_table_flags({"nf4_smem": "yes"}, torch.zeros(16))
+    with pytest.raises(ValueError, match="nf4_smem and nf4_shfl"):
+        k.triton_kernels.launch._nf4_table_flags({"nf4_smem": True, "nf4_shfl": "half"}, torch.zeros(16))
     assert k.triton_kernels.launch._nf4_table_flags({"nf4_smem": True}, None) == {}  # int4: no table
 
 

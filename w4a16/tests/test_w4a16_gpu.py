@@ -594,7 +594,7 @@ def test_nf4_dot_vs_float64(k, group_size, dtype, swap_ab, descs, nf4_tables, ha
 @pytest.mark.parametrize("pipeline", [{}, {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True},
                                       {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True, "num_warps": 2}],
                          ids=["plain", "bcast-tma", "bcast-tma-2warps"])
-@pytest.mark.parametrize("lookup", [{}, {"nf4_shfl": True}, {"nf4_shfl": "half"}, {"nf4_smem": True}],
+@pytest.mark.parametrize("lookup", [{"nf4_smem": False}, {"nf4_shfl": True}, {"nf4_shfl": "half"}, {}],
                          ids=["prmt", "shfl", "shfl-half", "smem"])
 def test_half2_gemv_nf4_vs_float64(k, group_size, dtype, pipeline, lookup):
     """NF4 through the packed-fp16 GEMV (codebook looked up with PRMT byte permutes, warp shuffles or the
@@ -614,15 +614,15 @@ def test_half2_gemv_nf4_vs_float64(k, group_size, dtype, pipeline, lookup):
                                       {"block_n": 16, "tiles": 8, "num_warps": 2, "num_stages": 3, "x_bcast": True,
                                        "tma": True}], ids=["plain-split", "bcast-tma-2warps"])
 def test_half2_gemv_nf4_pair_table_keeps_the_bits(k, dtype, pipeline):
-    """The shared-memory pair table (`nf4_smem`), alone or in persistent programs, gives the PRMT lookup's output
-    bit for bit: all take the codebook / 16 rounded to fp16 and sum the same products in the same order. The TMA
+    """The shared-memory pair table (`nf4_smem`, the default), alone or in persistent programs, gives the PRMT
+    lookup's output bit for bit: all take the codebook / 16 rounded to fp16 and sum the same products in the same order. The TMA
     plan's 24 KB ring with the 32 KB table is over the driver's default 48 KB (the launcher's load hook)."""
     n, kk = 3000, 5120
     qw = k.quantize(_weight(n, kk, dtype, seed=9), group_size=64, fmt="nf4")
     x = torch.randn(1, kk, device="cuda", dtype=dtype)
     config = {"kernel": "gemv", "half2": True, **pipeline}
     outs = []
-    for lookup in ({}, {"nf4_smem": True}, {"nf4_smem": True, "persistent": 1}):
+    for lookup in ({"nf4_smem": False}, {}, {"persistent": 1}):
         out = torch.full((1, n), float("nan"), device="cuda", dtype=dtype)
         k.triton_kernels.matmul(x, qw.qweight, qw.scales, None, qw.codebook, None, n, kk, 64, {**config, **lookup},
                                 out=out)

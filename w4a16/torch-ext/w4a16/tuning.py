@@ -6,7 +6,9 @@ A config is a dict: ``{"kernel": "gemv", "block_n", "tiles", "split_k", "num_war
 ``True`` with the same tiles, or a dict of its own ``block_n`` / ``tiles`` / ``split_k`` / ... overrides, where
 ``x_bcast`` loads x once per tile column and broadcasts it over the rows, and ``tma`` brings the weight tiles
 in by TMA; with ``num_stages`` > 1 either is software-pipelined through shared memory; ``pdl_trigger``
-``"start"`` lets the next dependent kernel launch right after the GEMV's wait instead of after its K loop),
+``"start"`` lets the next dependent kernel launch right after the GEMV's wait instead of after its K loop;
+``nf4_smem``: NF4 looked up in a 32 KB shared-memory table of value pairs, on by default, false for the PRMT
+lookup; ``persistent``: at most that many programs an SM, each taking row blocks in turn),
 ``{"kernel": "dot", "block_m", "block_n", "split_k", "swap_ab", "full_tile", "packed",
 "num_warps", "num_stages", "x_desc", "w_desc"}`` (``packed``: operands made by integer ops where the format allows,
 see ``triton_kernels.dot._unit_pair``; ``x_desc`` / ``w_desc``: x and the weight words by TMA descriptors, where

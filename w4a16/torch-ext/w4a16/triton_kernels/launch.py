@@ -115,11 +115,14 @@ def _launch_gemv(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gro
 
 
 def _nf4_table_flags(plan: dict, codebook) -> dict:
-    """The packed GEMV's "nf4_smem" (E73): NF4 looked up in a shared-memory pair table, linked from
-    `nf4_table.ll`; refused by name unless a boolean."""
-    choice = plan.get("nf4_smem", False)
+    """NF4's lookup in the packed GEMV: the shared-memory pair table (`nf4._nf4_pair_table`, linked from
+    `nf4_table.ll`; E73) unless the plan sets "nf4_smem" false or asks for warp shuffles ("nf4_shfl")."""
+    shuffles = plan.get("nf4_shfl", False)
+    choice = plan.get("nf4_smem", not shuffles)
     if choice not in (False, True):
         raise ValueError(f"config: nf4_smem must be true or false; got {choice!r}")
+    if choice and shuffles:
+        raise ValueError("config: nf4_smem and nf4_shfl are two NF4 lookups; set one")
     if not choice or codebook is None or interpreting():
         return {}
     _allow_static_shared_memory()
