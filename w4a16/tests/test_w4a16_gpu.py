@@ -487,18 +487,19 @@ def test_mma_gemv_vs_float64(k, fmt, zero_point, group_size, dtype, tiles, m):
                                    {"block_m": 16, "num_warps": 4, "reps": 2, "tiles": 2, "stages": 3, "split_k": 2}],
                          ids=["8x128-3tiles-split3", "16x64-4tiles-2stages", "16x128-2tiles-3stages-split2"])
 @pytest.mark.parametrize("m", [1, 13])
-@pytest.mark.parametrize("shuffled", [True, "half"])
-def test_mma_gemv_nf4_shuffle_lookup_vs_float64(k, group_size, dtype, tiles, m, shuffled):
+@pytest.mark.parametrize("lookup", [{"nf4_shfl": True}, {"nf4_shfl": "half"}, {"nf4_smem": True}],
+                         ids=["shfl", "shfl-half", "smem"])
+def test_mma_gemv_nf4_shuffle_lookup_vs_float64(k, group_size, dtype, tiles, m, lookup):
     """NF4 on the mma GEMV with the codebook looked up by warp shuffles (`nf4_shfl`: every nibble, or half of
-    them), on poisoned outputs against float64, and bit-equal to the PRMT lookup (all give the codebook / 16 in
-    x's dtype exactly)."""
+    them) or in the shared-memory pair table (`nf4_smem`), on poisoned outputs against float64, and bit-equal to
+    the PRMT lookup (all give the codebook / 16 in x's dtype exactly)."""
     n, kk = 3000, 5120
     qw = k.quantize(_weight(n, kk, dtype, seed=12), group_size=group_size, fmt="nf4")
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
-    config = {**k.tuning.heuristic(m, n, kk, 132), "mma": tiles}
-    shuffle = {**config, "nf4_shfl": shuffled}
+    config = {**k.tuning.heuristic(m, n, kk, 132), "mma": tiles, "nf4_smem": False}
+    shuffle = {**config, **lookup}
     plan = k.tuning.resolve(shuffle, x, qw.codebook, group_size)
-    assert plan["kernel"] == "mma" and plan["nf4_shfl"] == shuffled
+    assert plan["kernel"] == "mma" and plan.items() >= lookup.items()
     _check_launch(k, x, qw, None, shuffle)
     by_shuffles, by_permutes = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, None, qw.codebook, None, n, kk,
                                                         group_size, c) for c in (shuffle, config))

@@ -271,3 +271,18 @@ def test_pair_table_lookup_needs_the_lane_column(k, codebook_bits):
     regs = _run_ptx(k.triton_kernels.nf4.nf4_pair_table_asm("W", 1, "L", "B", "out"),
                     {"W": words, "L": lane * np.uint64(4), "B": np.uint64(0x400)}, shared)
     assert not np.array_equal(regs["out"], bits[_nibble(words, 2)] | bits[_nibble(words, 3)] << np.uint64(16))
+
+
+def test_mma_table_planes_pair_the_same_nibble_of_neighbouring_words(k, codebook_bits):
+    """The mma kernel's `_nf4_table_planes_asm` on a filled table: output j pairs codebook[nibble j of a] with
+    codebook[nibble j of b], as its PRMT lookup does; each second operand (pack 2) is never read."""
+    mma = pytest.importorskip(f"{k.__name__}.triton_kernels.mma", reason="this Triton has no Gluon")
+    bits, tables = codebook_bits
+    shared = _pair_table(k, tables, 0x400)
+    a, b = _words(seed=13), _words(seed=14)
+    lane = np.arange(a.size, dtype=np.uint64) % np.uint64(32)
+    regs = _run_ptx(mma._nf4_table_planes_asm(), {"$8": a, "$9": b, "$10": lane * np.uint64(4),
+                                                   "$11": np.uint64(0xDEADBEEF), "$12": np.uint64(0x400),
+                                                   "$13": np.uint64(0xDEADBEEF)}, shared)
+    for j in range(8):
+        assert np.array_equal(regs[f"${j}"], bits[_nibble(a, j)] | bits[_nibble(b, j)] << np.uint64(16))

@@ -429,8 +429,9 @@ def resolve(config: dict, x: torch.Tensor, codebook, group_size: int, swiglu: bo
     SwiGLU layout) for the epilogue silu(gate) * up."""
     config = for_activations(config, x.dtype)
     plan = _kernel_plan(config, x, codebook, group_size, swiglu, has_mins, has_zeros)
-    # the decode kernels' launch option and NF4 lookup (PRMT tables or warp shuffles), set beside the kernel choice
-    return {**plan, **{key: config[key] for key in ("pdl", "nf4_shfl") if key in config}}
+    # the decode kernels' launch option and NF4 lookup (PRMT tables, warp shuffles or the shared-memory pair table),
+    # set beside the kernel choice
+    return {**plan, **{key: config[key] for key in ("pdl", "nf4_shfl", "nf4_smem") if key in config}}
 
 
 def for_activations(config: dict, dtype: torch.dtype) -> dict:

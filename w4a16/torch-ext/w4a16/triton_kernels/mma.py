@@ -27,7 +27,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .nf4 import NF4_LANE_ASM, nf4_select_asm, nf4_shfl_pair_asm
+from .nf4 import (_LANE_OFFSET_ASM, _NF4_FILL_ASM, NF4_LANE_ASM, _nf4_pair_table_base, nf4_pair_table_asm,
+                  nf4_select_asm, nf4_shfl_pair_asm)
 
 
 @gluon.constexpr_function
@@ -100,6 +101,20 @@ def _nf4_planes_asm(shuffled: int = 0) -> tuple[str, str]:
     return "{\n" + "\n".join(lines) + "\n}", ",".join(["=r"] * 8 + ["r"] * (n + 2 * bool(shuffled) - 8))
 
 
+def _nf4_table_planes_asm() -> str:
+    """PTX: `_nf4_planes_asm`'s outputs from the shared-memory pair table (`nf4.nf4_pair_table_asm`): byte p of each
+    word gives the pair of its nibbles 2p, 2p + 1, and 2 PRMT regroup the two words' pairs into (a_j, b_j) for
+    j = 2p, 2p + 1: 8 LDS, 16 shift / LOP3 and 8 PRMT per 16 weights. Operands after the words: 4 x the lane,
+    then the table's base (each twice: pack 2)."""
+    lines = [".reg .b32 a, pa, pb, wa, wb;", "mov.b32 wa, $8;", "mov.b32 wb, $9;"]
+    for p in range(4):
+        lines += [nf4_pair_table_asm("wa", p, "$10", "$12", "pa").rstrip("\n"),
+                  nf4_pair_table_asm("wb", p, "$10", "$12", "pb").rstrip("\n"),
+                  f"prmt.b32 ${2 * p}, pa, pb, 0x5410;", f"prmt.b32 ${2 * p + 1}, pa, pb, 0x7632;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_NF4_TABLE_PLANES_ASM = gl.constexpr(_nf4_table_planes_asm())
 _NF4_PLANES_ASM, _NF4_PLANES_CONSTRAINTS = (gl.constexpr(v) for v in _nf4_planes_asm(0))
 _NF4_HALF_SHFL_PLANES_ASM, _NF4_HALF_SHFL_PLANES_CONSTRAINTS = (gl.constexpr(v) for v in _nf4_planes_asm(1))
 _NF4_SHFL_PLANES_ASM, _NF4_SHFL_PLANES_CONSTRAINTS = (gl.constexpr(v) for v in _nf4_planes_asm(2))
@@ -131,11 +146,17 @@ def _nf4_tables(cb_ptr, z, dtype: gl.constexpr, FACTOR: gl.constexpr):
 
 
 @gluon.jit
-def _nf4_tile(words, tables, lane_entry, x_like, SHFL: gl.constexpr):
+def _nf4_tile(words, tables, lane_entry, x_like, SHFL: gl.constexpr, SMEM: gl.constexpr = False):
     """The K-tile's 8 A operands from NF4 words, in x's dtype (`x_like`): codebook values / 16
-    (`_nf4_planes_asm`, SHFL of its halves by warp shuffles from `lane_entry`)."""
+    (`_nf4_planes_asm`, SHFL of its halves by warp shuffles from `lane_entry`; SMEM: from the shared-memory pair
+    table, `tables` then (4 x lane, base) shaped like the words, `_nf4_table_planes_asm`)."""
     dtype = x_like.dtype
-    if SHFL == 2:
+    if SMEM:
+        lane, base = tables
+        text: gl.constexpr = _NF4_TABLE_PLANES_ASM
+        constraints: gl.constexpr = "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r"
+        operands = [words, lane, base]
+    elif SHFL == 2:
         text: gl.constexpr = _NF4_SHFL_PLANES_ASM
         constraints: gl.constexpr = _NF4_SHFL_PLANES_CONSTRAINTS
         operands = [words, lane_entry]
@@ -151,6 +172,24 @@ def _nf4_tile(words, tables, lane_entry, x_like, SHFL: gl.constexpr):
             operands = [words, t0, t1, t2, t3, t4, t5, t6, t7]
     return gl.inline_asm_elementwise(text, constraints, operands,
                                      (dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype), is_pure=True, pack=2)
+
+
+@gluon.jit
+def _nf4_pair_table(cb_ptr, words_like, dtype: gl.constexpr):
+    """`nf4._nf4_pair_table` in Gluon, the pairs in `dtype` (x's) / 16: fills the table (a barrier at the end;
+    every thread calls it) and returns (4 x lane, base) shaped like `words_like` for `_nf4_tile`."""
+    WARPS: gl.constexpr = gl.num_warps()
+    fill_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    quarter = gl.arange(0, 2048, layout=fill_layout)  # consecutive lanes, consecutive 16-byte stores
+    base = _nf4_pair_table_base(gl.zeros_like(quarter))
+    t0, t1, t2, t3, t4, t5, t6, t7 = _nf4_tables(cb_ptr, gl.zeros_like(quarter), dtype, 0.0625)
+    gl.inline_asm_elementwise(_NF4_FILL_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [quarter, base + quarter * 16, t0, t1, t2, t3,
+                                                                         t4, t5, t6, t7],
+                              gl.int32, is_pure=False, pack=1)
+    gl.thread_barrier()
+    words_base = _nf4_pair_table_base(gl.zeros_like(words_like))
+    lane = gl.inline_asm_elementwise(_LANE_OFFSET_ASM, "=r,r", [words_base], gl.int32, is_pure=True, pack=1)
+    return lane, words_base
 
 
 @gluon.jit
@@ -235,7 +274,8 @@ def _x_shared(x_tile, layout: gl.constexpr):
 @gluon.jit
 def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, nf4_tables, nf4_lane, tile,
               i: gl.constexpr, live, rows, s_rows, s_stride, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr,
-              HAS_ZERO: gl.constexpr, SCALE_RING: gl.constexpr, NF4: gl.constexpr, NF4_SHFL: gl.constexpr):
+              HAS_ZERO: gl.constexpr, SCALE_RING: gl.constexpr, NF4: gl.constexpr, NF4_SHFL: gl.constexpr,
+              NF4_SMEM: gl.constexpr):
     """One K-tile (tile `i` of its iteration) into `acc`: the 8 A operands from its words, and per chunk j one MMA
     with x's fragment j (`xs`, zero where not live); each scale group's sum scaled once. `zlo` / `zhi`: the zero
     constants when they are the same for every tile (per channel, symmetric). With SCALE_RING the iteration's
@@ -260,7 +300,7 @@ def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, nf4
             zlo3, zhi3 = _zeros_at(z_ptr, z_ring, g0 + 3, s_stride, rows, live, z_layout, dtype, SCALE_RING)
             c2, c3, c4, c5, c6, c7 = zlo1, zhi1, zlo2, zhi2, zlo3, zhi3
     if NF4:
-        a = _nf4_tile(words, nf4_tables, nf4_lane, xs[0], NF4_SHFL)
+        a = _nf4_tile(words, nf4_tables, nf4_lane, xs[0], NF4_SHFL, NF4_SMEM)
     else:
         a = _dequant_tile(words, c0, c1, c2, c3, c4, c5, c6, c7)
     part = gl.zeros_like(acc)
@@ -311,7 +351,7 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                      HAS_BIAS: gl.constexpr,
                      PARTIAL: gl.constexpr, BLOCK_M: gl.constexpr, REPS: gl.constexpr, TILES: gl.constexpr,
                      MASK_K: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                     NF4_SHFL: gl.constexpr = 0):
+                     NF4_SHFL: gl.constexpr = 0, NF4_SMEM: gl.constexpr = False):
     """Program (token tile of BLOCK_M = 8, 16, 32 or 64, row tile of 16 x warps x REPS, K split): K-tiles
     [split * per_split, ...) of `num_tiles`, TILES of them per iteration (their loads issued together: long
     runs of each row per request burst, as the GEMV's many tiles per iteration); with PARTIAL the fp32 sums go to
@@ -351,7 +391,9 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
     zlo, zhi = _zero_consts(z_ptr, 0, s_stride, rows, True, HAS_ZERO and PER_CHANNEL, x_ptr.dtype.element_ty)
     nf4_tables = None
     nf4_lane = None
-    if NF4:
+    if NF4 and NF4_SMEM:
+        nf4_tables = _nf4_pair_table(cb_ptr, gl.zeros([BLOCK_N, 16], gl.int32, layout=a_layout), x_ptr.dtype.element_ty)
+    elif NF4:
         nf4_tables = _nf4_tables(cb_ptr, gl.zeros([BLOCK_N, 16], gl.int32, layout=a_layout), x_ptr.dtype.element_ty,
                                  0.0625)
         if NF4_SHFL > 0:  # the lookup by warp shuffles reads this lane's entry
@@ -409,7 +451,7 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                 words = w_slot.slice(16 * i, 16, dim=1).load(a_layout)
                 acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, slot * GROUPS, zlo, zhi, nf4_tables,
                                 nf4_lane, tile, i, live, rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO,
-                                SCALE_RING, NF4, NF4_SHFL)
+                                SCALE_RING, NF4, NF4_SHFL, NF4_SMEM)
         async_copy.wait_group(0)
     else:
         if X_SMEM:
@@ -432,7 +474,8 @@ def _mma_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, cb_ptr, bias_ptr, out_ptr, M, 
                     xs = _x_global(x_ptrs, m_ok, live, x_k, tile * 128, K, MASK_K)
                 words = gl.load(w_ptrs + tile * 16, mask=live, other=0)
                 acc = _tile_mma(acc, xs, words, s_ptr, z_ptr, None, None, 0, zlo, zhi, nf4_tables, nf4_lane, tile, i,
-                                live, rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, False, NF4, NF4_SHFL)
+                                live, rows, s_rows, s_stride, GROUP, PER_CHANNEL, HAS_ZERO, False, NF4, NF4_SHFL,
+                                NF4_SMEM)
     if PDL:  # the next kernel may launch (`common._pdl_launch_dependents`)
         tl.extra.cuda.gdc_launch_dependents()
     acc = acc * 16.0
