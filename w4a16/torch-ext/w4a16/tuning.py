@@ -25,7 +25,8 @@ launch where that pays);
 tensor-core GEMV `triton_kernels.mma` for a few tokens, a dict of its ``block_m`` (8, 16, 32 or 64), ``num_warps``,
 ``reps`` (16-row blocks per warp), ``tiles`` (K-tiles per iteration), ``x_smem`` (x through shared memory),
 ``stages`` (a cp.async ring of that many slots for the words, x, scales and zero points, where
-`cp_async_rows`, else one stage) and ``split_k``) or
+`cp_async_rows`, else one stage) and ``split_k``; NF4 looked up in the shared-memory pair table unless
+``nf4_smem`` is false) or
 ``{"kernel": "dequant", "chunk_n"}`` (dequantize, then cuBLAS; optional ``block_n`` / ``tiles`` / ``num_warps``,
 the dequantize kernel's programs, and ``nf4_tables`` as for dot, there also off for float32 activations). Any
 config may also say ``"pdl": False``: the packed-fp16 and mma GEMVs and the dot kernel (and their split-K

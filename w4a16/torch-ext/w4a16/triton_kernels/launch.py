@@ -114,11 +114,11 @@ def _launch_gemv(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gro
         _reduce_splits(target, bias, out, n, plan.get("swiglu", False))
 
 
-def _nf4_table_flags(plan: dict, codebook, default: bool = True) -> dict:
+def _nf4_table_flags(plan: dict, codebook) -> dict:
     """NF4's lookup in the GEMVs: the shared-memory pair table (`nf4._nf4_pair_table`, linked from `nf4_table.ll`;
-    E73) where the plan's "nf4_smem" (else `default`) says so and it asks for no warp shuffles ("nf4_shfl")."""
+    E73) unless the plan sets "nf4_smem" false or asks for warp shuffles ("nf4_shfl")."""
     shuffles = plan.get("nf4_shfl", False)
-    choice = plan.get("nf4_smem", default and not shuffles)
+    choice = plan.get("nf4_smem", not shuffles)
     if choice not in (False, True):
         raise ValueError(f"config: nf4_smem must be true or false; got {choice!r}")
     if choice and shuffles:
@@ -405,7 +405,7 @@ def _launch_mma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
         NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m, REPS=reps,
         TILES=tiles, MASK_K=k % 128 != 0, X_SMEM=bool(plan.get("x_smem", False)), STAGES=stages, num_warps=warps,
         PDL=pdl, launch_pdl=pdl, NF4_SHFL=_nf4_shuffled_halves(plan, codebook),
-        **_nf4_table_flags(plan, codebook, default=False),
+        **_nf4_table_flags(plan, codebook),
     )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False, pdl)

@@ -11,14 +11,17 @@ registers: 2 PRMT + 2 SHF + 8 LOP3 + 8 HFMA2 for 16 weights, (code - zero) / 16 
 packed-fp16 GEMV's exponent trick). The MMA sums them in fp32; each scale group's sum is scaled once per row.
 
 Formats: int4 with integer zero points or symmetric, scale groups of 32, 64, multiples of 128 or per channel,
-NF4 (codebook looked up by byte permutes, `_nf4_planes_asm`), fp16 or bf16 activations
+NF4 (codebook looked up in the shared-memory pair table, `_nf4_table_planes_asm`, or by byte permutes,
+`_nf4_planes_asm`), fp16 or bf16 activations
 (`tuning.mma_supported`). No float minima.
 
 Measured on the H200 (runs 34-42): x's fragments straight from global memory 1.42x cuBLAS fp16 at one token;
 through shared memory and `ldmatrix` (`X_SMEM`) 2.04x; with every load in a cp.async ring (`STAGES`) 2.4x at 1-8
 tokens (the dot path it replaced at 4 tokens: 1.82x), 2.0x at 16 with two 16-row blocks per warp (`REPS`); 32-token
 tiles 1.47x at 32 tokens (the dot path: 1.16x); at 64 tokens mma.sync loses to the dot path's wgmma (runs 44-47).
-NF4 is integer-issue bound (its lookup: 44 integer instructions per 16 weights), 0.6x of int4's time."""
+NF4 by byte permutes is integer-issue bound (44 integer instructions per 16 weights), 0.6x of int4's time; its
+default lookup is the shared-memory pair table (`nf4`; E73, run 176 on the H100: 1.09x / 1.07x the byte permutes'
+speed in geomean at 4 / 16 tokens)."""
 
 from __future__ import annotations
 

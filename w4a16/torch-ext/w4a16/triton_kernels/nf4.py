@@ -1,5 +1,6 @@
-"""NF4 codebook lookups by byte permutes (PRMT), shared by the packed-fp16 GEMV, the tensor-core kernel and the
-dequantize kernel of the dequantize + cuBLAS path.
+"""NF4 codebook lookups: by byte permutes (PRMT), shared by the packed-fp16 GEMV, the tensor-core kernels and the
+dequantize kernel of the dequantize + cuBLAS path; and in a shared-memory table of value pairs (the two GEMVs'
+default, `_nf4_pair_table`, at the end of this module).
 
 The 16 codebook values as fp16 (divided by 16 for the GEMV, whose int4 arithmetic carries that factor; as they
 are for the tensor-core operands) live in 8 registers: the low bytes of entries 0-3, 4-7, 8-11, 12-15 and
