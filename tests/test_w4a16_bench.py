@@ -126,6 +126,28 @@ def test_merge_compare_puts_nf4_winners_into_nf4_keys():
         merge_compare(table, {"env": env, "fmt": "nf4", "group": 64, "x_dtype": "bfloat16", "rows": rows})
 
 
+def test_merge_compare_puts_nf4_decode_plans_into_nf4_keys():
+    """An NF4 winner at M = 1 that differs from the shipped launch only in its packed-GEMV plan writes that whole
+    plan into the "nf4" keys, beside an override already there; one that drops the shipped launch's mma plan is
+    not written."""
+    env = {"date": "d", "torch": "t", "triton": "tr", "cuda": "c", "command": "cmd"}
+    half2 = {"block_n": 8, "tiles": 32, "num_warps": 4}
+    gemv = {"kernel": "gemv", "block_n": 8, "tiles": 8, "half2": half2}
+    faster = {**half2, "persistent": 4}
+    mma = {"num_warps": 4, "tiles": 4}
+    rows = [{"shape": "L3-8B gate_up", "m": 1, "impl": "shipped", "us": 40.0, "config": gemv},
+            {"shape": "L3-8B gate_up", "m": 1, "impl": "candidate", "us": 37.0, "config": {**gemv, "half2": faster}},
+            {"shape": "L3-8B down", "m": 4, "impl": "shipped", "us": 20.0, "config": {**gemv, "mma": mma}},
+            {"shape": "L3-8B down", "m": 4, "impl": "candidate", "us": 15.0, "config": gemv}]
+    tile = {"block_m": 128, "block_n": 256}
+    table = {"shapes": {"28672x4096": {"1": {**gemv, "nf4": {"wgmma": tile}}},
+                        "4096x14336": {"4": {**gemv, "mma": mma}}}}
+    changes = merge_compare(table, {"env": env, "fmt": "nf4", "group": 64, "rows": rows})
+    assert table["shapes"]["28672x4096"]["1"] == {**gemv, "nf4": {"half2": faster}}
+    assert table["shapes"]["4096x14336"]["4"] == {**gemv, "mma": mma}
+    assert [c for c in changes if "not written" in c] == [c for c in changes if c.startswith("L3-8B down")]
+
+
 def test_wgmma_split_regret_scores_the_pick_against_the_fastest_split():
     """For each shape, M and tile timed at several splits: the picked split's time over the fastest's; tiles timed
     at one split, "auto" rows and picks that were not timed are left out."""

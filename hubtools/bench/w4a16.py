@@ -752,8 +752,9 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     untuned ones that check the heuristic) are never written. A result with bf16 x goes into the entry's
     ``"bf16"`` override (`tuning.for_activations`): the winner's keys that differ from the entry tuned with fp16
     x, which must exist; an fp16 winner keeps the override of the entry it replaces. An NF4 result (fp16 x, any
-    group size) goes into the entry's ``"nf4"`` keys (`tuning.nf4_tiles`), which hold the wgmma tile only: a
-    winner that differs from the shipped NF4 launch in anything else is not written."""
+    group size) goes into the entry's ``"nf4"`` keys (`tuning.nf4_tiles`), which hold the wgmma tile and the
+    decode kernels' plans (`NF4_OVERRIDE_KEYS`): a winner that differs from the shipped NF4 launch in anything
+    else is not written."""
     measured = (result.get("fmt", "int4"), result.get("group", GROUP), result.get("zero_point", False))
     x_dtype = result.get("x_dtype", "float16")
     nf4 = measured[0] == "nf4" and x_dtype == "float16"
@@ -840,18 +841,31 @@ def wgmma_split_regret(choose: Callable[..., int], results: list[dict], sm_count
     return out
 
 
+# The keys an NF4 override may hold (`tuning.nf4_tiles`): the wgmma tile and the decode kernels' own plans.
+NF4_OVERRIDE_KEYS = ("wgmma", "half2", "mma")
+
+
 def _merge_nf4(entries: dict, label: str, m: int, row: dict, shipped: dict | None, was: str) -> str:
-    """`merge_compare` of one NF4 winner: its wgmma tile into the bucket's ``"nf4"`` keys (none: the override
-    goes); one line saying what was done."""
+    """`merge_compare` of one NF4 winner into the bucket's ``"nf4"`` keys: its wgmma tile (none: that key goes) and
+    its packed-GEMV / mma plan where it differs from the shipped launch's (the whole dict, replacing the int4
+    entry's); a winner that differs in any other key, or lacks a decode plan the shipped launch had, is not
+    written. One line saying what was done."""
     entry = entries.get(str(m))
     if entry is None or shipped is None:
         return f"{label} M={m} nf4: no tuned entry or shipped launch to set an override against; not written"
-    differs = sorted(name for name in set(row["config"]) | set(shipped["config"])
-                     if name != "wgmma" and row["config"].get(name) != shipped["config"].get(name))
-    if differs:
-        return f"{label} M={m} nf4: the winner differs from the shipped launch in {differs}, not only wgmma; not written"
-    if row["config"].get("wgmma"):
-        entry["nf4"] = {"wgmma": row["config"]["wgmma"]}
+    winner, before = row["config"], shipped["config"]
+    differs = sorted(name for name in set(winner) | set(before) if winner.get(name) != before.get(name))
+    others = [name for name in differs if name not in NF4_OVERRIDE_KEYS]
+    lost = [name for name in differs if name != "wgmma" and name not in winner]
+    if others or lost:
+        return (f"{label} M={m} nf4: the winner differs from the shipped launch in {others or lost}, not only in "
+                f"{list(NF4_OVERRIDE_KEYS)}; not written")
+    override = {name: value for name, value in entry.get("nf4", {}).items() if name != "wgmma"}
+    override.update({name: winner[name] for name in differs if name != "wgmma"})
+    if winner.get("wgmma"):
+        override["wgmma"] = winner["wgmma"]
+    if override:
+        entry["nf4"] = override
     else:
         entry.pop("nf4", None)
     return f"{label} M={m} nf4: {was} -> {row['us']:.1f} us {json.dumps(entry.get('nf4'), sort_keys=True)}"

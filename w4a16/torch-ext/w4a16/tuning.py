@@ -33,8 +33,8 @@ config may also say ``"pdl": False``: the packed-fp16 and mma GEMVs and the dot 
 reductions) then launch in stream order instead of as programmatic dependents of the kernel before
 (`triton_kernels.launch.dependent_launch`, on by default where sm_90+ runs). And any config may hold a ``"bf16"``
 dict: keys that replace its own when the activations are bf16 (`for_activations`), and an ``"nf4"`` dict: keys
-that replace its own for NF4 weights (`nf4_tiles`; so far the ``wgmma`` tile, which NF4 does not take from the
-int4 config).
+that replace its own for NF4 weights (`nf4_tiles`: the ``wgmma`` tile, which NF4 does not take from the int4
+config, and the decode kernels' ``half2`` / ``mma`` plans where NF4's were tuned apart).
 
 A config says what to run where it applies; `resolve` turns it into the launch plan for one call's activation
 dtype, device and weight format, the one place where those choices are made: ``"gemv"`` becomes
