@@ -509,6 +509,21 @@ def test_pdl_trigger_checked(k, monkeypatch, trigger):
                                 plan)
 
 
+def test_static_shared_memory_hook_chains_or_declines(k, monkeypatch):
+    """The NF4 pair table's load hook is installed in front of any hook already there (which it calls on), and
+    where this Triton has no load hook the table is declined (the GEMVs keep the PRMT lookup)."""
+    import types
+
+    from triton import knobs
+
+    allow = k.triton_kernels.launch._allow_static_shared_memory.__wrapped__
+    monkeypatch.setattr(knobs, "runtime", types.SimpleNamespace(kernel_load_end_hook="previous"))
+    assert allow() and knobs.runtime.kernel_load_end_hook != "previous"
+    assert "previous" in [cell.cell_contents for cell in knobs.runtime.kernel_load_end_hook.__closure__]
+    monkeypatch.setattr(knobs, "runtime", types.SimpleNamespace())
+    assert not allow()
+
+
 @pytest.mark.parametrize("per_sm", [0, True, 1.5])
 def test_persistent_checked(k, per_sm):
     """A "persistent" that is not a positive count is refused by name."""

@@ -123,9 +123,8 @@ def _nf4_table_flags(plan: dict, codebook) -> dict:
         raise ValueError(f"config: nf4_smem must be true or false; got {choice!r}")
     if choice and shuffles:
         raise ValueError("config: nf4_smem and nf4_shfl are two NF4 lookups; set one")
-    if not choice or codebook is None or interpreting():
+    if not choice or codebook is None or interpreting() or not _allow_static_shared_memory():
         return {}
-    _allow_static_shared_memory()
     return dict(NF4_SMEM=True, extern_libs={"nf4_table": NF4_PAIR_TABLE.value})
 
 
@@ -137,16 +136,21 @@ def _libcuda():
 
 
 @functools.cache
-def _allow_static_shared_memory() -> None:
+def _allow_static_shared_memory() -> bool:
     """Triton's loader (3.6, driver.c `loadBinary`) raises a kernel's dynamic shared-memory limit only where its
     own allocation is over 48 KB, while the driver's default caps static + dynamic at 48 KB; Triton kernels have
     no static part unless one is linked in (the NF4 pair table), so such a kernel with 16-48 KB of its own would
     fail to launch. A load hook (chained to any other) raises the limit of kernels that have a static part to
-    the card's opt-in maximum less that part, as the loader does above 48 KB."""
+    the card's opt-in maximum less that part, as the loader does above 48 KB. False where this Triton has no
+    load hook (then the NF4 GEMVs keep the PRMT lookup)."""
     import ctypes
 
-    from triton import knobs
-
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    if not hasattr(knobs.runtime, "kernel_load_end_hook"):
+        return False
     previous = knobs.runtime.kernel_load_end_hook
 
     def hook(module, function, name, metadata_group, hash):
@@ -160,6 +164,7 @@ def _allow_static_shared_memory() -> None:
             previous(module, function, name, metadata_group, hash)
 
     knobs.runtime.kernel_load_end_hook = hook
+    return True
 
 
 def _persistent_grid(plan: dict, grid: tuple, device: torch.device) -> tuple[tuple, dict]:
