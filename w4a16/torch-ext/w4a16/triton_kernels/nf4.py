@@ -194,11 +194,11 @@ def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_
 # The lookup by a shared-memory table of value pairs (`"nf4_smem"`, E73): the PRMT lookup's ~2.75 integer
 # instructions per weight saturate sm_90's integer pipe (E16) and shuffles the shuffle unit (E23), while one
 # 32-bit LDS returns the fp16 pair of a whole byte (2 nibbles). Entry b (a byte: nibbles 2i, 2i + 1 of a word) is
-# (codebook[b & 15], codebook[b >> 4]) / 16, repeated in 32 consecutive words, one per lane: lane l reads word
-# 32 b + l, so a warp's 32 lookups hit 32 banks whatever the bytes (one copy would average ~3.5-way conflicts).
-# 32 KB a program; per byte a shift and a LOP3 make the address, the table's base folds into the LDS.
+# (codebook[b & 15], codebook[b >> 4]) / 16 as fp16 (the mma GEMV's: in x's dtype), repeated in 32 consecutive
+# words, one per lane: lane l reads word 32 b + l, so a warp's 32 lookups hit 32 banks whatever the bytes (one
+# copy would average ~3.5-way conflicts). 32 KB a program; per byte a shift and a LOP3 make the address, the
+# table's base folds into the LDS.
 NF4_PAIR_TABLE = tl.constexpr(str(Path(__file__).with_name("nf4_table.ll")))
-NF4_PAIR_TABLE_BYTES = 256 * 32 * 4
 
 
 @tl.core.extern
