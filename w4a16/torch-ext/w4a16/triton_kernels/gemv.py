@@ -578,7 +578,8 @@ def _gemv_h2_kernel(
     """The GEMV of `_gemv_kernel` (same grid, tiles and split-K) with the packed-fp16 dequant and dot of
     `_H2_ASM`: int4 with one scale group per 128-column tile or per channel, fp16 activations (X_SCALED:
     bf16 activations made fp16 by `_x_to_fp16_kernel`, with each tile's scale undone from ``xs``). NF4
-    looks the codebook up with `_NF4_ASM` instead, with groups of 64 too (HALF_GROUPS). INT4_GROUPS (2 or 4):
+    looks the codebook up in the shared-memory pair table (NF4_SMEM, `_NF4_SMEM_ASM`), by PRMT (`_NF4_ASM`) or
+    by shuffles (NF4_SHFL) instead, with groups of 64 too (HALF_GROUPS). INT4_GROUPS (2 or 4):
     int4 scale groups of 64 or 32 columns, symmetric or with float minima (`_H2_GROUPS_ASM`); HAS_MIN (any
     int4 group size) takes the codes centred like symmetric ones and adds ``(min + 8 scale) * sum(x)`` per group,
     from x sums of the packed pairs (`_X_GROUP_SUMS_ASM`).
@@ -610,17 +611,23 @@ def _gemv_h2_kernel(
     _pdl_wait(PDL)
     if TRIGGER_START:
         _pdl_launch_dependents(PDL)
+    # Both branches call `_gemv_h2_item` with the kernel's whole argument list (Triton passes no structs). The
+    # one-item programs take their item from the grid position: decoding it from a linear index, as the
+    # persistent loop does, added 8-88 SASS instructions to their short programs.
     if PERSISTENT:
         for item in range(tl.program_id(0), items, tl.num_programs(0)):
-            _gemv_h2_item(item % row_blocks, (item // row_blocks) % splits, (item // (row_blocks * splits)).to(tl.int64),
-                          tables, lane_table, x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
-            N, K, num_tiles, tiles_per_split, group_size, stride_xm, stride_qn, stride_sg, stride_om, stride_split,
-            HAS_ZERO, HAS_MIN, PER_CHANNEL, X_SCALED, NF4, HALF_GROUPS, INT4_GROUPS, HAS_BIAS, PARTIAL, MASK_X,
-            MASK_TILES, BLOCK_N, TILES, STAGES, PREFETCH, X_BCAST, W_DESC, EMULATE, SWIGLU, PDL, NF4_SHFL, NF4_SMEM, False)
+            _gemv_h2_item(item % row_blocks, (item // row_blocks) % splits,
+                          (item // (row_blocks * splits)).to(tl.int64), tables, lane_table,
+                          x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
+                          N, K, num_tiles, tiles_per_split, group_size, stride_xm, stride_qn, stride_sg, stride_om,
+                          stride_split, HAS_ZERO, HAS_MIN, PER_CHANNEL, X_SCALED, NF4, HALF_GROUPS, INT4_GROUPS,
+                          HAS_BIAS, PARTIAL, MASK_X, MASK_TILES, BLOCK_N, TILES, STAGES, PREFETCH, X_BCAST, W_DESC,
+                          EMULATE, SWIGLU, PDL, NF4_SHFL, NF4_SMEM, False)
         _pdl_launch_dependents(PDL and not TRIGGER_START)
     else:
         _gemv_h2_item(tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64), tables, lane_table,
                       x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, m_ptr, cb_ptr, bias_ptr, out_ptr,
-            N, K, num_tiles, tiles_per_split, group_size, stride_xm, stride_qn, stride_sg, stride_om, stride_split,
-            HAS_ZERO, HAS_MIN, PER_CHANNEL, X_SCALED, NF4, HALF_GROUPS, INT4_GROUPS, HAS_BIAS, PARTIAL, MASK_X,
-            MASK_TILES, BLOCK_N, TILES, STAGES, PREFETCH, X_BCAST, W_DESC, EMULATE, SWIGLU, PDL, NF4_SHFL, NF4_SMEM, not TRIGGER_START)
+                      N, K, num_tiles, tiles_per_split, group_size, stride_xm, stride_qn, stride_sg, stride_om,
+                      stride_split, HAS_ZERO, HAS_MIN, PER_CHANNEL, X_SCALED, NF4, HALF_GROUPS, INT4_GROUPS,
+                      HAS_BIAS, PARTIAL, MASK_X, MASK_TILES, BLOCK_N, TILES, STAGES, PREFETCH, X_BCAST, W_DESC,
+                      EMULATE, SWIGLU, PDL, NF4_SHFL, NF4_SMEM, not TRIGGER_START)
