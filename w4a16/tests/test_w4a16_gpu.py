@@ -421,10 +421,12 @@ def test_untuned_shape_runs_the_heuristic_wgmma_tile(k, dtype, m):
 @pytest.mark.parametrize("tiles", [{"block_m": 128, "num_stages": 4},
                                    {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2}],
                          ids=["128x128", "128x256-inflight2"])
-def test_wgmma_nf4_operand_is_the_dequantized_weight(k, group_size, dtype, scale_dtype, tiles):
+@pytest.mark.parametrize("lookup", [{}, {"nf4_smem": False}], ids=["pair-table", "prmt"])
+def test_wgmma_nf4_operand_is_the_dequantized_weight(k, group_size, dtype, scale_dtype, tiles, lookup):
     """NF4's register operand equals the dequantize path's weight bit for bit: the codebook rounded to fp16 times
     the scale, rounded once to x's dtype (float32 scales, as bitsandbytes stores its absmax, are moved off the
-    fp16 grid so that rounding them first would show). Each row of x is one-hot, so each output is one weight."""
+    fp16 grid so that rounding them first would show), from the shared-memory pair table (the default) or the
+    byte permutes. Each row of x is one-hot, so each output is one weight."""
     n, kk, m = 1000, 3072 if group_size != -1 else 3000, 256
     qw = k.quantize(_weight(n, kk, dtype, seed=3), group_size=group_size, fmt="nf4")
     if scale_dtype == torch.float32:
@@ -435,7 +437,7 @@ def test_wgmma_nf4_operand_is_the_dequantized_weight(k, group_size, dtype, scale
     columns = torch.randperm(kk, generator=torch.Generator().manual_seed(0))[:m]
     x = torch.zeros(m, kk, dtype=dtype)
     x[torch.arange(m), columns] = 1
-    config = {**k.tuning.heuristic(m, n, kk, 132), "wgmma": tiles}
+    config = {**k.tuning.heuristic(m, n, kk, 132), "wgmma": tiles, **lookup}
     out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
     k.triton_kernels.matmul(x.cuda(), qw.qweight, qw.scales, None, qw.codebook, None, n, kk, group_size, config,
                             out=out)

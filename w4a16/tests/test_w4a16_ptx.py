@@ -286,3 +286,18 @@ def test_mma_table_planes_pair_the_same_nibble_of_neighbouring_words(k, codebook
                                                    "$13": np.uint64(0xDEADBEEF)}, shared)
     for j in range(8):
         assert np.array_equal(regs[f"${j}"], bits[_nibble(a, j)] | bits[_nibble(b, j)] << np.uint64(16))
+
+
+@pytest.mark.parametrize("byte", range(4))
+def test_wgmma_table_pairs_hold_chunks_j_and_j_plus_1(k, codebook_bits, byte):
+    """The wgmma kernel's lookup in the pair table (`_nf4_chunk_pairs_ptx` with `smem`, its lane and the table's
+    address read in the PTX): for chunk j = 2 byte, p pairs codebook[nibble j of a] with codebook[nibble j of b],
+    q the same for nibble j + 1, as its PRMT lookup pairs them."""
+    wgmma = pytest.importorskip(f"{k.__name__}.triton_kernels.wgmma", reason="this Triton has no Gluon Hopper ops")
+    bits, tables = codebook_bits
+    shared = _pair_table(k, tables, 0x400)
+    a, b = _words(seed=16), _words(seed=17)
+    text = "\n".join(wgmma._nf4_chunk_pairs_ptx(byte, True))
+    regs = _run_ptx(text, {"$2": a, "$3": b, "nf4_pair_table": np.uint64(0x400)}, shared)
+    for out, j in (("p", 2 * byte), ("q", 2 * byte + 1)):
+        assert np.array_equal(regs[out], bits[_nibble(a, j)] | bits[_nibble(b, j)] << np.uint64(16))

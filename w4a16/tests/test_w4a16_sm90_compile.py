@@ -20,6 +20,8 @@ CASES = {
     "wgmma-split-auto": ["wgmma", {**TILE, "split_k": "auto"}, "int4", 512],
     "wgmma-64x128-split3": ["wgmma", {"block_m": 64, "num_stages": 4, "split_k": 3}, "zp", 300],
     "wgmma-inflight3": ["wgmma", {**TILE, "inflight": 3}, "nf4", 300],
+    "wgmma-nf4-prmt": ["wgmma", {**TILE, "split_k": 1, "nf4_smem": False}, "nf4", 300],
+    "wgmma-nf4-2stages": ["wgmma", {**TILE, "num_stages": 2, "split_k": 1}, "nf4", 300],
     "wgmma-scales-loads": ["wgmma", {**TILE, "scales_tma": False}, "zp", 300],
     "wgmma-chains1": ["wgmma", {"block_m": 256, "block_n": 128, "num_stages": 2, "inflight": 2, "chains": 1},
                       "int4", 300],

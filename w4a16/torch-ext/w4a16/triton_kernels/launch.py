@@ -15,7 +15,7 @@ from .common import _splitk_reduce_kernel
 from .dequant import _dequant_kernel
 from .dot import _dot_kernel
 from .gemv import _gemv_h2_kernel, _gemv_kernel, _x_to_fp16_kernel
-from .nf4 import NF4_PAIR_TABLE
+from .nf4 import NF4_PAIR_TABLE, NF4_PAIR_TABLE_BYTES
 
 
 def _format_flags(zeros, mins, codebook, group_size) -> dict:
@@ -115,8 +115,8 @@ def _launch_gemv(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, gro
 
 
 def _nf4_table_flags(plan: dict, codebook) -> dict:
-    """NF4's lookup in the GEMVs: the shared-memory pair table (`nf4._nf4_pair_table`, linked from `nf4_table.ll`;
-    E73) unless the plan sets "nf4_smem" false or asks for warp shuffles ("nf4_shfl")."""
+    """NF4's lookup in the GEMVs and the wgmma kernel: the shared-memory pair table (`nf4._nf4_pair_table`, linked
+    from `nf4_table.ll`; E73, E74) unless the plan sets "nf4_smem" false or asks for warp shuffles ("nf4_shfl")."""
     shuffles = plan.get("nf4_shfl", False)
     choice = plan.get("nf4_smem", not shuffles)
     if choice not in (False, True):
@@ -332,6 +332,13 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     # block overlapping the next block's start (docs/design/w4a16.md E50)
     ring = plan.get("num_stages", 4) * (block_n * WORDS_PER_TILE * 4 + block_m * 128 * x.element_size() + group_row)
     shared = _shared_memory_per_block(x.device.index) - 1024
+    # NF4 from the pair table (E74) where its static 32 KB fit beside the ring, else by byte permutes; the TMA
+    # stores' buffers below then have to fit beside both
+    nf4_table = _nf4_table_flags(plan, codebook)
+    if nf4_table and ring + NF4_PAIR_TABLE_BYTES <= shared:
+        shared -= NF4_PAIR_TABLE_BYTES
+    else:
+        nf4_table = {}
     consumers = block_n // (64 * chains)
     fits = ring + block_n * block_m * 2 <= shared
     # a split's fp32 partial sums by TMA stores too (E51: 1.02x at M = 256) where their rows are 16-byte aligned
@@ -377,7 +384,7 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
             GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
             HAS_MIN=mins is not None, NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
             STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), TMA_STORE=tma_store,
-            SCALES_TMA=scales_tma, CHAINS=chains, num_warps=4,
+            SCALES_TMA=scales_tma, CHAINS=chains, num_warps=4, **nf4_table,
         )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False)

@@ -178,18 +178,25 @@ def _nf4_tile(words, tables, lane_entry, x_like, SHFL: gl.constexpr, SMEM: gl.co
 
 
 @gluon.jit
-def _nf4_pair_table(cb_ptr, words_like, dtype: gl.constexpr):
-    """`nf4._nf4_pair_table` in Gluon, the pairs in `dtype` (x's) / 16: fills the table (a barrier at the end;
-    every thread calls it) and returns (4 x lane, base) shaped like `words_like` for `_nf4_tile`."""
+def _nf4_pair_table_fill(cb_ptr, dtype: gl.constexpr, FACTOR: gl.constexpr):
+    """`nf4._nf4_pair_table`'s fill in Gluon, the pairs in `dtype` times FACTOR (the mma GEMV's: x's dtype / 16; the
+    wgmma kernel's: fp16 as it is); ends on a barrier, and every thread of the (default) partition calls it."""
     WARPS: gl.constexpr = gl.num_warps()
     fill_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     quarter = gl.arange(0, 2048, layout=fill_layout)  # consecutive lanes, consecutive 16-byte stores
     base = _nf4_pair_table_base(gl.zeros_like(quarter))
-    t0, t1, t2, t3, t4, t5, t6, t7 = _nf4_tables(cb_ptr, gl.zeros_like(quarter), dtype, 0.0625)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _nf4_tables(cb_ptr, gl.zeros_like(quarter), dtype, FACTOR)
     gl.inline_asm_elementwise(_NF4_FILL_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [quarter, base + quarter * 16, t0, t1, t2, t3,
                                                                          t4, t5, t6, t7],
                               gl.int32, is_pure=False, pack=1)
     gl.thread_barrier()
+
+
+@gluon.jit
+def _nf4_pair_table(cb_ptr, words_like, dtype: gl.constexpr):
+    """Fills the pair table in `dtype` (x's) / 16 (`_nf4_pair_table_fill`) and returns (4 x lane, base) shaped like
+    `words_like` for `_nf4_tile`."""
+    _nf4_pair_table_fill(cb_ptr, dtype, 0.0625)
     words_base = _nf4_pair_table_base(gl.zeros_like(words_like))
     lane = gl.inline_asm_elementwise(_LANE_OFFSET_ASM, "=r,r", [words_base], gl.int32, is_pure=True, pack=1)
     return lane, words_base

@@ -199,6 +199,7 @@ def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_
 # copy would average ~3.5-way conflicts). 32 KB a program; per byte a shift and a LOP3 make the address, the
 # table's base folds into the LDS.
 NF4_PAIR_TABLE = tl.constexpr(str(Path(__file__).with_name("nf4_table.ll")))
+NF4_PAIR_TABLE_BYTES = 256 * 32 * 4  # its static shared memory (a launch that sizes its own buffers subtracts it)
 
 
 @tl.core.extern

@@ -19,9 +19,9 @@ from one block into the next, so the loader fills it with the next block's K-til
 the last one (E49).
 
 Formats: int4 with scale groups of 32, 64 or multiples of 128, or per channel; integer zero points, symmetric
-or float minima; NF4 (the codebook looked up by byte permutes, `nf4`, two chunks at a time); fp16 or bf16
-activations. The dequantized operand is rounded to x's dtype once, as the dequantize + cuBLAS path rounds it
-(`tuning.wgmma_supported` says where this kernel applies). A first version
+or float minima; NF4 (the codebook looked up in the shared-memory pair table or by byte permutes, `nf4`, two
+chunks at a time); fp16 or bf16 activations. The dequantized operand is rounded to x's dtype once, as the
+dequantize + cuBLAS path rounds it (`tuning.wgmma_supported` says where this kernel applies). A first version
 with the operand made by warps of their own into a shared-memory ring (commit 55b12cc) measured slower."""
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .mma import _nf4_tables
-from .nf4 import nf4_lookup_asm
+from .mma import _nf4_pair_table_fill, _nf4_tables
+from .nf4 import nf4_lookup_asm, nf4_pair_table_asm
 from .wgmma_chunks import _chain_step, _group_params, _group_stored, _opaque_zeros
 
 
@@ -106,39 +106,57 @@ def _load_partition(ring, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZE
             step += 1
 
 
-def _nf4_chunks_ptx(byte: int, half_scale: bool, is_fp16: bool) -> str:
-    """PTX for NF4 chunks j = 2 byte and j + 1 of two neighbouring words a = $2, b = $3: their bytes `byte` side by
-    side (PRMT) are the codes (a_j, a_j+1, b_j, b_j+1), looked up at once in the codebook's fp16 tables at $4, $6,
-    ..., $18 (`nf4`; an int32 input of a pack-2 asm takes an operand per element), paired per chunk (PRMT) and
-    scaled: with `half_scale` (fp16 x and scales) by one packed fp16 multiply with the scale pair $20, else each
-    value in fp32 times the scale ($20, $21) and rounded once to x's dtype. The dequantize path's arithmetic
-    (`nf4._nf4_pair_planes`). Outputs: $0 chunk j, $1 chunk j + 1, two operand values each."""
-    lines = [".reg .b32 t, s, x, la, lb, ha, hb, lo, hi, p, q;", ".reg .b16 h0, h1;", ".reg .f32 f0, f1;",
-             f"prmt.b32 t, $2, $3, {byte | ((4 + byte) << 4):#x};", nf4_lookup_asm("t", 4, 2).rstrip("\n"),
-             "prmt.b32 p, lo, hi, 0x6240;", "prmt.b32 q, lo, hi, 0x7351;"]
+def _nf4_chunk_pairs_ptx(byte: int, smem: bool) -> list[str]:
+    """PTX lines putting the fp16 codebook pairs of NF4 chunks j = 2 byte and j + 1 of two neighbouring words
+    a = $2, b = $3 into p = (a_j, b_j) and q = (a_j+1, b_j+1), nibble j in the low half. By byte permutes: the
+    words' bytes `byte` side by side (PRMT) are the codes (a_j, a_j+1, b_j, b_j+1), looked up at once in the
+    codebook's fp16 tables at $4, $6, ..., $18 (`nf4`; an int32 input of a pack-2 asm takes an operand per
+    element) and paired per chunk (PRMT). With `smem`, from the shared-memory pair table (`nf4.nf4_pair_table_asm`,
+    filled by `mma._nf4_pair_table_fill`): byte `byte` of each word is the pair (x_j, x_j+1), and 2 PRMT regroup
+    them; the lane and the table's address are read in the PTX (`nf4_pair_table`, the symbol `nf4_table.ll` links
+    in), which ptxas makes once a thread."""
+    if smem:
+        return [".reg .b32 a, l, t, pa, pb, p, q;", "mov.u32 l, %laneid;", "shl.b32 l, l, 2;",
+                "mov.u32 t, nf4_pair_table;", nf4_pair_table_asm("$2", byte, "l", "t", "pa").rstrip("\n"),
+                nf4_pair_table_asm("$3", byte, "l", "t", "pb").rstrip("\n"),
+                "prmt.b32 p, pa, pb, 0x5410;", "prmt.b32 q, pa, pb, 0x7632;"]
+    return [".reg .b32 t, s, x, la, lb, ha, hb, lo, hi, p, q;",
+            f"prmt.b32 t, $2, $3, {byte | ((4 + byte) << 4):#x};", nf4_lookup_asm("t", 4, 2).rstrip("\n"),
+            "prmt.b32 p, lo, hi, 0x6240;", "prmt.b32 q, lo, hi, 0x7351;"]
+
+
+def _nf4_chunks_ptx(byte: int, half_scale: bool, is_fp16: bool, smem: bool) -> str:
+    """PTX for NF4 chunks j = 2 byte and j + 1 of two neighbouring words a = $2, b = $3 (`_nf4_chunk_pairs_ptx`),
+    scaled: with `half_scale` (fp16 x and scales) by one packed fp16 multiply with the scale pair, else each value
+    in fp32 times the scale (two operands) and rounded once to x's dtype. The scale follows the tables ($20) or,
+    with `smem`, the words ($4). The dequantize path's arithmetic (`nf4._nf4_pair_planes`). Outputs: $0 chunk j,
+    $1 chunk j + 1, two operand values each."""
+    scale = 4 if smem else 20
+    lines = [*_nf4_chunk_pairs_ptx(byte, smem), ".reg .b16 h0, h1;", ".reg .f32 f0, f1;"]
     for out, pair in (("$0", "p"), ("$1", "q")):
         if half_scale:
-            lines.append(f"mul.rn.f16x2 {out}, {pair}, $20;")
+            lines.append(f"mul.rn.f16x2 {out}, {pair}, ${scale};")
         else:
             lines += [f"mov.b32 {{h0, h1}}, {pair};", "cvt.f32.f16 f0, h0;", "cvt.f32.f16 f1, h1;",
-                      "mul.rn.f32 f0, f0, $20;", "mul.rn.f32 f1, f1, $21;",
+                      f"mul.rn.f32 f0, f0, ${scale};", f"mul.rn.f32 f1, f1, ${scale + 1};",
                       f"cvt.rn.{'f16x2' if is_fp16 else 'bf16x2'}.f32 {out}, f1, f0;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 # every variant built here, as Gluon's constexpr functions may not call plain Python functions
-_NF4_CHUNKS_PTX = gl.constexpr({(byte, half_scale, is_fp16): _nf4_chunks_ptx(byte, half_scale, is_fp16)
-                                for byte in range(4) for half_scale in (False, True) for is_fp16 in (False, True)})
+_NF4_CHUNKS_PTX = gl.constexpr({(byte, half_scale, is_fp16, smem): _nf4_chunks_ptx(byte, half_scale, is_fp16, smem)
+                                for byte in range(4) for half_scale in (False, True) for is_fp16 in (False, True)
+                                for smem in (False, True)})
 
 
 @gluon.constexpr_function
-def _nf4_chunks_asm(j, half_scale, is_fp16):
-    return _NF4_CHUNKS_PTX.value[(j // 2, half_scale, is_fp16)]
+def _nf4_chunks_asm(j, half_scale, is_fp16, smem):
+    return _NF4_CHUNKS_PTX.value[(j // 2, half_scale, is_fp16, smem)]
 
 
 @gluon.constexpr_function
-def _nf4_chunks_constraints(half_scale):
-    return ",".join(["=r"] * 2 + ["r"] * (2 + 16 + (1 if half_scale else 2)))
+def _nf4_chunks_constraints(half_scale, smem):
+    return ",".join(["=r"] * 2 + ["r"] * (2 + (0 if smem else 16) + (1 if half_scale else 2)))
 
 
 @gluon.jit
@@ -245,21 +263,26 @@ def _store_tma_partial(acc, c_pair, out_desc, row, col):
 
 
 @gluon.jit
-def _nf4_chunks(words, j: gl.constexpr, scale, tables, x_like):
+def _nf4_chunks(words, j: gl.constexpr, scale, tables, x_like, SMEM: gl.constexpr):
     """NF4 K-chunks j and j + 1 (j even) of one 64-row chain as two register operands in x's dtype (`x_like`,
-    `_nf4_chunks_asm`): one lookup serves both, so chunk j + 1's operand is made a chunk early."""
+    `_nf4_chunks_asm`): one lookup serves both, so chunk j + 1's operand is made a chunk early. The codebook from
+    the PRMT `tables`, or with SMEM from the shared-memory pair table (`tables` unused)."""
     dtype = x_like.dtype
     half_scale: gl.constexpr = scale.dtype == gl.float16
-    t0, t1, t2, t3, t4, t5, t6, t7 = tables
-    return gl.inline_asm_elementwise(_nf4_chunks_asm(j, half_scale, dtype == gl.float16),
-                                     _nf4_chunks_constraints(half_scale),
-                                     [words, t0, t1, t2, t3, t4, t5, t6, t7, scale[:, None]], (dtype, dtype),
-                                     is_pure=True, pack=2)
+    text: gl.constexpr = _nf4_chunks_asm(j, half_scale, dtype == gl.float16, SMEM)
+    constraints: gl.constexpr = _nf4_chunks_constraints(half_scale, SMEM)
+    if SMEM:
+        operands = [words, scale[:, None]]
+    else:
+        t0, t1, t2, t3, t4, t5, t6, t7 = tables
+        operands = [words, t0, t1, t2, t3, t4, t5, t6, t7, scale[:, None]]
+    return gl.inline_asm_elementwise(text, constraints, operands, (dtype, dtype), is_pure=True, pack=2)
 
 
 @gluon.jit
 def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr,
-                        HAS_MIN: gl.constexpr, NF4: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
+                        HAS_MIN: gl.constexpr, NF4: gl.constexpr, NF4_SMEM: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        PARTIAL: gl.constexpr,
                         INFLIGHT: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, CHAINS: gl.constexpr,
                         ROW0: gl.constexpr):
     """Dequantization into the MMA's register operand beside the previous chunk's asynchronous MMA, then the
@@ -291,7 +314,8 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
         prev1 = gl.zeros([64, 16], dtype, layout=a_layout)
         older1 = gl.zeros([64, 16], dtype, layout=a_layout)
         oldest1 = gl.zeros([64, 16], dtype, layout=a_layout)
-    if NF4:
+    tables = 0
+    if NF4 and not NF4_SMEM:  # (the pair table was filled before the partitions split)
         tables = _nf4_tables(cb_ptr, gl.zeros([64, 16], gl.int32, layout=a_layout), gl.float16, 1.0)
     one_group: gl.constexpr = PER_CHANNEL or GROUP >= 128
     step = 0  # K-tiles consumed by this program so far, over all its blocks: the ring's position
@@ -328,9 +352,9 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
                 x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
                 if NF4:
                     if j % 2 == 0:  # (j + 1's operands are kept for the next chunk)
-                        a0, next0 = _nf4_chunks(words0, j, params0, tables, x_chunk)
+                        a0, next0 = _nf4_chunks(words0, j, params0, tables, x_chunk, NF4_SMEM)
                         if TWO:
-                            a1, next1 = _nf4_chunks(words1, j, params1, tables, x_chunk)
+                            a1, next1 = _nf4_chunks(words1, j, params1, tables, x_chunk, NF4_SMEM)
                     else:
                         a0 = next0
                         if TWO:
@@ -411,7 +435,8 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, c
                   M, N, columns, num_tiles, per_split, s_stride, out_stride, GROUP: gl.constexpr,
                   PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr,
                   HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr,
-                  TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, CHAINS: gl.constexpr):
+                  TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, CHAINS: gl.constexpr,
+                  NF4_SMEM: gl.constexpr = False):
     """Output blocks (token tile, row tile of 128 or 256 of `columns`, K split) from `program_id` on, a grid apart
     (persistent programs); a block runs K-tiles [split * per_split, ...) of `num_tiles`; with PARTIAL its fp32
     partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction), else its output is stored
@@ -419,7 +444,11 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, c
     parts padded to whole token tiles). A consumer warpgroup per CHAINS 64-row chains (the first the default
     partition, a second a worker) and the loader warp, whose ring runs on across a program's blocks; INFLIGHT chunks
     of MMAs run beside the next chunk's dequantization. SCALES_TMA: the K-tile's group parameters come with its
-    words through `s_desc` / `z_desc` / `m_desc` (one group a K-tile), not through `s_ptr` / `z_ptr` / `m_ptr`."""
+    words through `s_desc` / `z_desc` / `m_desc` (one group a K-tile), not through `s_ptr` / `z_ptr` / `m_ptr`.
+    NF4_SMEM: NF4 from the shared-memory pair table (linked in by the launch's extern_libs), filled here by the
+    default partition's warps before the partitions split, so every consumer finds it filled."""
+    if NF4 and NF4_SMEM:
+        _nf4_pair_table_fill(cb_ptr, gl.float16, 1.0)
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
@@ -463,17 +492,17 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, c
         # the worker's wgmma pipeline only in PTX edited by `warp_specialize.unlooped_workers` (the launcher's)
         gl.warp_specialize([
             (_consumer_partition,
-             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, NF4_SMEM, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
               SCALES_TMA, CHAINS, 0)),
             (_consumer_partition,
-             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, NF4_SMEM, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
               SCALES_TMA, CHAINS, 64 * CHAINS)),
             (_load_partition, (ring, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, SCALES_TMA)),
         ], [4, 1], [232, 24])
     else:
         gl.warp_specialize([
             (_consumer_partition,
-             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
+             (operands, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, NF4, NF4_SMEM, HAS_BIAS, PARTIAL, INFLIGHT, TMA_STORE,
               SCALES_TMA, CHAINS, 0)),
             (_load_partition, (ring, GROUP, PER_CHANNEL, HAS_ZERO, HAS_MIN, SCALES_TMA)),
         ], [1], [24])
