@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hubtools.bench.w4a16 import (GOAL_HEURISTIC_VS_TUNED, _matmul_with, goals, merge_compare, stand_in_table,
-                                  wgmma_split_regret)
+from hubtools.bench.w4a16 import (GOAL_HEURISTIC_VS_TUNED, _matmul_with, goals, main, merge_compare,
+                                  stand_in_table, wgmma_split_regret)
 from hubtools.workspace import Workspace
 
 
@@ -146,6 +146,26 @@ def test_merge_compare_puts_nf4_decode_plans_into_nf4_keys():
     assert table["shapes"]["28672x4096"]["1"] == {**gemv, "nf4": {"half2": faster}}
     assert table["shapes"]["4096x14336"]["4"] == {**gemv, "mma": mma}
     assert [c for c in changes if "not written" in c] == [c for c in changes if c.startswith("L3-8B down")]
+
+
+def test_merge_result_merges_a_saved_compare_into_the_table_file(tmp_path, capsys):
+    """`--merge-result`: a result file written by an earlier --compare-decode run goes into --table's file as
+    `merge_compare` puts it (with that run's own provenance), nothing timed; without --table it is refused."""
+    env = {"date": "d", "torch": "t", "triton": "tr", "cuda": "c", "command": "the compare's command"}
+    tile = {"block_m": 128, "block_n": 256}
+    dot = {"kernel": "dot", "block_m": 64}
+    rows = [{"shape": "L3-8B qkv", "m": 256, "impl": "shipped", "us": 10.0, "config": dot},
+            {"shape": "L3-8B qkv", "m": 256, "impl": "candidate", "us": 8.0, "config": {**dot, "wgmma": tile}}]
+    result, table = tmp_path / "result.json", tmp_path / "table.json"
+    result.write_text(json.dumps({"env": env, "fmt": "nf4", "group": 64, "rows": rows}))
+    table.write_text(json.dumps({"shapes": {"6144x4096": {"256": dot}}}))
+    assert main(["--merge-result", str(result), "--table", str(table)]) == 0
+    merged = json.loads(table.read_text())
+    assert merged["shapes"]["6144x4096"]["256"] == {**dot, "nf4": {"wgmma": tile}}
+    assert merged["measured"][-1]["command"] == "the compare's command"
+    with pytest.raises(SystemExit):
+        main(["--merge-result", str(result)])
+    assert "needs --table" in capsys.readouterr().err
 
 
 def test_wgmma_split_regret_scores_the_pick_against_the_fastest_split():

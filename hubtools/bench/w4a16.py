@@ -737,6 +737,14 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
     return result
 
 
+def _merge_into(table_path, compared: dict) -> None:
+    """`merge_compare` of a `compare_decode` result into the table file at `table_path`, rewritten in place."""
+    table = json.loads(table_path.read_text())
+    print("\n".join(merge_compare(table, compared)))
+    table_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {table_path}")
+
+
 def _override(config: dict, variant: dict) -> dict:
     """`config` with `variant`'s keys; a dict-valued key that both have (``"mma"``, ``"half2"``) merges one level
     down, so ``{"mma": {"tiles": 4}}`` keeps each shape's other mma settings."""
@@ -1047,7 +1055,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..workspace import Workspace
 
     parser = argparse.ArgumentParser(prog="python -m hubtools.bench.w4a16", description=main.__doc__)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="the results file (every mode but --merge-result)")
     parser.add_argument("--shapes", nargs="*", default=None,
                         help="shape labels (default: the Llama-3 shapes for the sweep; every shape for --compare-decode)")
     parser.add_argument("--tokens", nargs="*", type=int, default=[1, 16, 64, 256, 1024])
@@ -1063,6 +1071,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", help="--compare-decode's launch table for this card: a table file standing in "
                         "for the card's own (e.g. configs/nvidia-h200.json on an H100), or 'none' for the heuristic "
                         "(see stand_in_table)")
+    parser.add_argument("--merge-result", type=Path, help="merge a --compare-decode result file written earlier into "
+                        "--table's file (merge_compare; the file's own env and command go with it), timing nothing")
     parser.add_argument("--fmt", choices=("int4", "nf4"), default="int4", help="--compare-decode's weight format")
     parser.add_argument("--group", type=int, default=GROUP, help="--compare-decode's group size")
     parser.add_argument("--bf16", action="store_true", help="--compare-decode with bf16 activations (and cuBLAS "
@@ -1110,6 +1120,13 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
         print(f"wrote {args.out}")
         return 0
+    if args.merge_result:
+        if not args.table:
+            parser.error("--merge-result needs --table (the table to merge into)")
+        _merge_into(args.table, json.loads(args.merge_result.read_text()))
+        return 0
+    if args.out is None:
+        parser.error("--out is required")
     if args.compare_decode:
         every = SHAPES + QWEN_SHAPES + OTHER_SHAPES
         chosen = every if args.shapes is None else tuple(s for s in every if s[0] in args.shapes)
@@ -1123,10 +1140,7 @@ def main(argv: list[str] | None = None) -> int:
                                       rounds=args.rounds)
         print(f"wrote {args.out}")
         if args.table:
-            table = json.loads(args.table.read_text())
-            print("\n".join(merge_compare(table, compared)))
-            args.table.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-            print(f"wrote {args.table}")
+            _merge_into(args.table, compared)
         return 0
     if args.sustained:
         with loaded_kernel(project) as module:
