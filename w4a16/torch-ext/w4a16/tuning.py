@@ -211,11 +211,11 @@ def _note_heuristic(device_name: str, n: int, k: int) -> None:
 
 def nf4_tiles(config: dict, m: int, n: int, sm_count: int, group_size: int) -> dict:
     """An int4 config made NF4's (`_nf4_int4_tiles`), then the entry's ``"nf4"`` keys. NF4 does not take the int4
-    config's ``wgmma`` tile: its codebook lookup makes that kernel issue-bound, ~2 us per 256 x 128 x 128 tile
-    step on the H100 whatever M (docs/design/w4a16.md E42, runs 120-121), so it wins only where dequantize +
-    cuBLAS costs more than that (M = 256-512 on the larger Llama-3 shapes) and loses from M = 768 on every shape,
-    by up to 1.6x. Where it wins, the table names the tile in the entry's ``"nf4"`` keys (`merge_compare` of NF4
-    results)."""
+    config's ``wgmma`` tile: its codebook lookup costs that kernel more issue slots than int4's dequantization
+    (by byte permutes it was issue-bound at 0.69x int4's time, docs/design/w4a16.md E42; from the shared-memory
+    pair table 0.96x on the H200, E74), and at M >= 1024 dequantize + cuBLAS ties or beats it. Where it wins
+    (M = 256 on the Llama-3 shapes, 1.07-1.55x on the H200), the table names the tile in the entry's ``"nf4"``
+    keys (`merge_compare` of NF4 results)."""
     override = config.get("nf4", {})
     int4 = {key: value for key, value in config.items() if key not in ("wgmma", "nf4")}
     return {**_nf4_int4_tiles(int4, m, n, sm_count, group_size), **override}
