@@ -376,6 +376,22 @@ def test_heuristic_takes_the_wgmma_tile_on_large_weights_above_256_tokens(k):
     assert heuristic(129, 4096, 11008, 132)["wgmma"]["split_k"] == "auto"  # K >= 8192: from two token tiles
 
 
+def test_nf4_heuristic_takes_the_long_row_gemv_from_k_4096(k):
+    """At one token, untuned NF4 weights take the 2-warp 16-row TMA plan from K = 4096 (int4 from 8192), with 4096
+    rows or more; shorter rows keep the 8 x 8 plan."""
+    long_rows = {"block_n": 16, "tiles": 8, "split_k": 1, "num_warps": 2, "prefetch": False, "num_stages": 3,
+                 "x_bcast": True, "tma": True}
+    heuristic = k.tuning.heuristic
+    assert heuristic(1, 22016, 4096, 132, nf4=True)["half2"] == long_rows
+    assert heuristic(1, 22016, 4096, 132)["half2"] != long_rows
+    assert heuristic(1, 22016, 8192, 132)["half2"] == long_rows
+    assert heuristic(1, 17920, 1536, 132, nf4=True)["half2"]["num_warps"] == 4
+    assert heuristic(1, 2048, 4096, 132, nf4=True)["half2"]["num_warps"] == 4
+    cpu = torch.device("cpu")
+    assert k.tuning.select(1, 22016, 4096, cpu, nf4_group=64)["half2"] == long_rows
+    assert k.tuning.select(1, 22016, 4096, cpu)["half2"] != long_rows
+
+
 def test_heuristic_runs_up_to_32_tokens_on_the_mma_gemv(k):
     """Untuned shapes take the mma GEMV up to 32 tokens (a 32-token tile above 16), the dot path above."""
     plans = {m: k.tuning.heuristic(m, 22016, 4096, 132).get("mma") for m in (1, 4, 16, 17, 32, 33, 64)}

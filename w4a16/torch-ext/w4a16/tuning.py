@@ -95,10 +95,10 @@ def _bucket(entry: dict, m: int) -> dict:
     return entry[str(buckets[-1])]
 
 
-def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = None) -> dict:
+def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = None, nf4: bool = False) -> dict:
     """A config from the problem size alone, shaped like the H200 sweep's winners: enough programs to fill
     the GPU (split-K when N is small), one K=128 dot per tile with the weight rows as the MMA's M, packed
-    operands, 4 warps."""
+    operands, 4 warps; `nf4`: for NF4 weights (their own long-row threshold at one token)."""
     limits = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     rows = round_up(n, PAD_N)
     tiles = round_up(k, TILE_K) // TILE_K
@@ -113,11 +113,13 @@ def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = N
         # at most 8 programs per SM (Qwen2.5-1.5B down 4, Llama-3-8B down 2).
         h2_split = max(s for s in (1, 2, 4, 8) if s == 1 or (programs * s <= 8 * sm_count and tiles // s >= 16))
         half2 = {"block_n": 8, "tiles": 8, "split_k": h2_split, "num_warps": 4, "prefetch": False}
-        if k >= 8192 and n >= 4096:
+        if k >= (4096 if nf4 else 8192) and n >= 4096:
             # Long rows: x broadcast over 16 rows, a 3-stage TMA ring of the weight tiles, 2 warps (127 registers,
             # the most words per thread), no split; on the H200 (2026-12-01, docs/design/w4a16.md E1c) 6-29 %
             # faster on the four Llama-3-70B shapes and Llama-2-7B down, even on Llama-3-8B down; shapes with
-            # K <= 4096 or few rows (Qwen2.5-1.5B down) lost 10-30 % with it.
+            # K <= 4096 or few rows (Qwen2.5-1.5B down) lost 10-30 % with it. NF4 (its pair table filled once a
+            # program, E73) from K = 4096: on the H200 (run 180) 1.21-1.24x on Llama-3-8B qkv / o and Llama-2-7B
+            # gate_up, a tie on 8B gate_up / down; the Qwen2.5-1.5B shapes (K = 1536) lost 15-25 %.
             half2 = {"block_n": 16, "tiles": 8, "split_k": 1, "num_warps": 2, "prefetch": False, "num_stages": 3,
                      "x_bcast": True, "tma": True}
         return {"kernel": "gemv", "block_n": block_n, "tiles": per_iter, "split_k": split,
@@ -192,7 +194,8 @@ def select(m: int, n: int, k: int, device: torch.device, nf4_group: int | None =
     entry = tuned.get("shapes", {}).get(f"{n}x{k}")
     if entry is None and device.type != "cpu":
         _note_heuristic(name, n, k)
-    config = _bucket(entry, m) if entry else heuristic(m, n, k, sm_count, tuned.get("heuristic"))
+    config = (_bucket(entry, m) if entry else
+              heuristic(m, n, k, sm_count, tuned.get("heuristic"), nf4=nf4_group is not None))
     if nf4_group is not None:
         return nf4_tiles(config, m, n, sm_count, nf4_group)
     if "nf4" not in config:  # no copy on the common path: select runs on every call
