@@ -540,6 +540,23 @@ def test_static_shared_memory_hook_chains_or_declines(k, monkeypatch):
     assert not allow()
 
 
+def test_dot_takes_the_pair_table_only_where_asked_and_where_it_fits(k, monkeypatch):
+    """The dot path's NF4 lookup: the pair table only with "nf4_smem" true, and only where its static 32 KB fit
+    beside the ring (3 stages of a 256 x 128 tile do not: that launch failed, run 179); int4 never."""
+    launch = k.triton_kernels.launch
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(launch, "_allow_static_shared_memory", lambda: True)
+    monkeypatch.setattr(launch, "_shared_memory_per_block", lambda index: 232448)  # the H100 / H200 opt-in limit
+    x, codebook = torch.zeros(64, 4096, dtype=torch.float16), torch.zeros(16)
+    small = {"nf4_tables": True, "block_m": 64, "block_n": 64, "num_stages": 3}
+    large = {**small, "block_m": 256, "block_n": 128}
+    assert launch._dot_nf4_table_flags({**small, "nf4_smem": True}, codebook, x)["NF4_SMEM"]
+    assert launch._dot_nf4_table_flags(small, codebook, x) == {}
+    assert launch._dot_nf4_table_flags({**large, "nf4_smem": True}, codebook, x) == {}
+    assert launch._dot_nf4_table_flags({**large, "nf4_smem": True, "num_stages": 2}, codebook, x)["NF4_SMEM"]
+    assert launch._dot_nf4_table_flags({**small, "nf4_smem": True}, None, x) == {}
+
+
 @pytest.mark.parametrize("per_sm", [0, True, 1.5])
 def test_persistent_checked(k, per_sm):
     """A "persistent" that is not a positive count is refused by name."""

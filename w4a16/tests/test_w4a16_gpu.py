@@ -592,6 +592,25 @@ def test_nf4_dot_vs_float64(k, group_size, dtype, swap_ab, descs, nf4_tables, ha
     _check_launch(k, x, qw, bias, config)
 
 
+@pytest.mark.parametrize("group_size", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tile", [{"block_m": 64, "block_n": 64, "split_k": 2, "num_warps": 4},
+                                  {"block_m": 256, "block_n": 128, "split_k": 1, "num_warps": 8}], ids=["64x64", "256x128"])
+def test_nf4_dot_pair_table_keeps_the_bits(k, group_size, dtype, tile):
+    """NF4 on the full-tile dot path from the shared-memory pair table ("nf4_smem") gives the PRMT lookup's bits:
+    the same codebook values, scaled and summed alike; the 256 x 128 tile, where the table does not fit beside the
+    ring, runs the PRMT lookup. M = 37 leaves a partial token tile."""
+    n, kk, m = 3000, 5120, 37
+    qw = k.quantize(_weight(n, kk, dtype, seed=10), group_size=group_size, fmt="nf4")
+    x = torch.randn(m, kk, device="cuda", dtype=dtype)
+    config = {"kernel": "dot", "swap_ab": True, "num_stages": 3, "full_tile": True, "x_desc": True, "w_desc": True,
+              "nf4_smem": True, **tile}
+    _check_launch(k, x, qw, None, config)
+    by_table, by_permutes = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, None, qw.codebook, None, n, kk,
+                                                     group_size, c) for c in (config, {**config, "nf4_smem": False}))
+    assert torch.equal(by_table, by_permutes)
+
+
 @pytest.mark.parametrize("group_size", [64, 128, -1])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("pipeline", [{}, {"block_n": 16, "num_stages": 3, "x_bcast": True, "tma": True},

@@ -301,3 +301,15 @@ def test_wgmma_table_pairs_hold_chunks_j_and_j_plus_1(k, codebook_bits, byte):
     regs = _run_ptx(text, {"$2": a, "$3": b, "nf4_pair_table": np.uint64(0x400)}, shared)
     for out, j in (("p", 2 * byte), ("q", 2 * byte + 1)):
         assert np.array_equal(regs[out], bits[_nibble(a, j)] | bits[_nibble(b, j)] << np.uint64(16))
+
+
+def test_dot_table_pairs_hold_nibbles_j_and_j_plus_4(k, codebook_bits):
+    """`_NF4_TABLE_PAIRS_ASM` (the dot path's lookup in the pair table, its lane and base read in the PTX): pair J
+    holds codebook[nibble J] (low half) and codebook[nibble J + 4] (high half), as `_NF4_PAIRS_ASM`'s do."""
+    bits, tables = codebook_bits
+    shared = _pair_table(k, tables, 0x400)
+    words = _words(seed=15)
+    text = k.triton_kernels.nf4._NF4_TABLE_PAIRS_ASM
+    regs = _run_ptx(getattr(text, "value", text), {"$4": words, "nf4_pair_table": np.uint64(0x400)}, shared)
+    for j in range(4):
+        assert np.array_equal(regs[f"${j}"], bits[_nibble(words, j)] | bits[_nibble(words, j + 4)] << np.uint64(16))

@@ -5,7 +5,7 @@ import triton.language as tl
 
 from .common import (_WORDS, _natural_order, _pdl_launch_dependents, _pdl_wait, _plane, _swiglu_rows,
                      _tile_in_k_order)
-from .nf4 import _nf4_tables, _nf4_tile_in_k_order
+from .nf4 import _nf4_pair_table, _nf4_tables, _nf4_tile_in_k_order
 
 
 # Tensor-core operands from integer ops: a nibble shifted into the top 4 mantissa bits of 1.0 (fp16 0x3C00:
@@ -59,7 +59,7 @@ def _dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, STAGES: tl.constexpr,
     FULL_TILE: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
     X_DESC: tl.constexpr, W_DESC: tl.constexpr, NF4_TABLES: tl.constexpr, NF4_HALF_SCALE: tl.constexpr,
-    EMULATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
+    EMULATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, NF4_SMEM: tl.constexpr = False,
 ):
     """Tensor-core path. Per K-tile either 8 dots of K=16 (one per nibble plane: a contiguous K run) or,
     with FULL_TILE, the 8 planes interleaved back into natural K order and one dot of K=128.
@@ -79,8 +79,9 @@ def _dot_kernel(
     paths only).
 
     NF4_TABLES (NF4 on the full-tile path, NVIDIA): the codebook is looked up by byte permutes
-    (`_nf4_tile_in_k_order`) rather than gathered per weight; EMULATE runs the same bit logic by gathers (the
-    interpreter). NF4_HALF_SCALE (fp16 operands and scales, NVIDIA): groups smaller than a tile scale the
+    (`_nf4_tile_in_k_order`) rather than gathered per weight, or with NF4_SMEM (a plan's "nf4_smem", linked
+    through extern_libs) in the shared-memory pair table, filled before the PDL wait; EMULATE runs the same bit
+    logic by gathers (the interpreter). NF4_HALF_SCALE (fp16 operands and scales, NVIDIA): groups smaller than a tile scale the
     looked-up pairs by packed fp16 multiplies (`nf4._HMUL2_ASM`) instead of in fp32.
 
     SWIGLU (a fused gate / up weight in the SwiGLU layout): the output is ``[M, N // 2]``, silu(gate) * up of
@@ -109,6 +110,8 @@ def _dot_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     first = pid_k * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
+    if NF4_TABLES and NF4_SMEM and not EMULATE:  # before the wait: the codebook is not the previous kernel's output
+        _nf4_pair_table(cb_ptr, False)
     _pdl_wait(PDL)
     zero = 0.0
     if PACKED and not HAS_ZERO:
@@ -118,7 +121,7 @@ def _dot_kernel(
         if HAS_ZERO:
             zero = tl.load(z_ptr + rows).to(tl.float32)[:, None]
     tables = 0
-    if NF4_TABLES and not EMULATE:
+    if NF4_TABLES and not NF4_SMEM and not EMULATE:
         # Tables loaded as row vectors (every row the same values) rather than as scalars: a scalar broadcast into
         # the lookup stops Triton from building the operand in the MMA's layout, and the 16 KB tile then crosses
         # shared memory (1.1-1.3x slower, docs/design/w4a16.md E9). Not on 256-token tiles, where split-K
@@ -162,7 +165,8 @@ def _dot_kernel(
             wt = wt.to(dot_dtype)
         elif FULL_TILE and NF4_TABLES:
             wt = _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_size,
-                                      not SCALE_ON_ACC and not PER_CHANNEL, NF4_HALF_SCALE, dot_dtype, EMULATE)
+                                      not SCALE_ON_ACC and not PER_CHANNEL, NF4_HALF_SCALE, dot_dtype, EMULATE,
+                                      NF4_SMEM)
         elif FULL_TILE:
             wt = _tile_in_k_order(w, tile, rows, s_ptr, z_ptr, m_ptr, cb_ptr, zero, group_size, stride_sg, NF4,
                                   HAS_ZERO, HAS_MIN, PER_CHANNEL, SCALE_ON_ACC, dot_dtype)

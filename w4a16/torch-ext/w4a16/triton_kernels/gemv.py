@@ -602,7 +602,7 @@ def _gemv_h2_kernel(
     lane_table = 0
     if NF4 and not EMULATE:
         if NF4_SMEM:  # filled before the wait: the codebook is not the previous kernel's output
-            base = _nf4_pair_table(cb_ptr)
+            base = _nf4_pair_table(cb_ptr, True)
             tables = (_nf4_lane_offsets(base, [BLOCK_N, TILES, _WORDS]), base)
         else:
             tables = _nf4_tables(cb_ptr, True)

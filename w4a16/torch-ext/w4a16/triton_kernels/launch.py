@@ -261,12 +261,27 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
         NF4_HALF_SCALE=bool(plan.get("nf4_half_scale", False)) and scales.dtype == torch.float16,
         EMULATE=interpreting(), SWIGLU=plan.get("swiglu", False), PDL=pdl, launch_pdl=pdl,
         num_warps=plan.get("num_warps", 4),
+        **_dot_nf4_table_flags(plan, codebook, x),
     )
     if splits > 1:
         # The next kernel (the next layer's dot, two programs per SM) let launch only once the sums are stored:
         # launched at the reduction's start, its programs took SM slots beside this kernel's tail, and at one
         # wave or less of dot programs that cost up to 1.2x (docs/design/w4a16.md E25).
         _reduce_splits(target, bias, out, n, plan.get("swiglu", False), pdl, late_trigger=True)
+
+
+def _dot_nf4_table_flags(plan: dict, codebook, x) -> dict:
+    """The dot path's NF4 from the pair table only where a plan asks for it ("nf4_smem": true; E73e, run 179 on
+    the H200: 1.08-1.17x on 64 x 128 tiles of 8 warps at M = 64, 0.67-0.98x on 64 x 64 tiles of 4, whose third
+    program an SM the static 32 KB evicts) and only where it fits beside the pipeliner's buffers (x's and the
+    words' tiles a stage: a 256 x 128 tile of 3 stages does not, and failed to launch), else the byte permutes."""
+    if not plan.get("nf4_tables") or not plan.get("nf4_smem", False):
+        return {}
+    flags = _nf4_table_flags(plan, codebook)
+    ring = plan.get("num_stages", 2) * (plan["block_m"] * 128 * x.element_size() + plan["block_n"] * WORDS_PER_TILE * 4)
+    if flags and ring + NF4_PAIR_TABLE_BYTES > _shared_memory_per_block(x.device.index) - 1024:
+        return {}
+    return flags
 
 
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:

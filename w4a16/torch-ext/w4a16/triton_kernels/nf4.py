@@ -126,16 +126,19 @@ def _nf4_cb_bits(cb_ptr, code):
 
 
 @triton.jit
-def _nf4_pairs(w, tables, cb_ptr, EMULATE: tl.constexpr):
+def _nf4_pairs(w, tables, cb_ptr, EMULATE: tl.constexpr, SMEM: tl.constexpr = False):
     """The 4 int32 fp16 pairs (planes J, J + 4) of a word tile (see `_NF4_PAIRS_ASM`), from tables of the
-    codebook itself (`_nf4_tables(cb_ptr, False)`); EMULATE computes the same bits by gathers (the interpreter
-    has no PTX)."""
+    codebook itself (`_nf4_tables(cb_ptr, False)`), or with SMEM from the filled pair table
+    (`_NF4_TABLE_PAIRS_ASM`); EMULATE computes the same bits by gathers (the interpreter has no PTX)."""
     if EMULATE:
         q0 = _nf4_cb_bits(cb_ptr, w & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 16) & 0xF) << 16)
         q1 = _nf4_cb_bits(cb_ptr, (w >> 4) & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 20) & 0xF) << 16)
         q2 = _nf4_cb_bits(cb_ptr, (w >> 8) & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 24) & 0xF) << 16)
         q3 = _nf4_cb_bits(cb_ptr, (w >> 12) & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 28) & 0xF) << 16)
         return q0, q1, q2, q3
+    elif SMEM:
+        return tl.inline_asm_elementwise(_NF4_TABLE_PAIRS_ASM, "=r,=r,=r,=r,r", [w],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
     else:
         l0, l1, l2, l3, h0, h1, h2, h3 = tables
         return tl.inline_asm_elementwise(
@@ -180,10 +183,11 @@ def _nf4_pair_planes(q, tile, rows, s_ptr, stride_sg, J: tl.constexpr, group_siz
 
 @triton.jit
 def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_size: tl.constexpr,
-                         SCALED: tl.constexpr, HALF_SCALE: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+                         SCALED: tl.constexpr, HALF_SCALE: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+                         SMEM: tl.constexpr = False):
     """A [BLOCK_N, 16] NF4 word tile as one [BLOCK_N, 128] operand in K order, the codebook looked up by byte
-    permutes (`nf4._nf4_pairs`) instead of one gather per weight."""
-    q0, q1, q2, q3 = _nf4_pairs(w, tables, cb_ptr, EMULATE)
+    permutes or in the pair table (`nf4._nf4_pairs`) instead of one gather per weight."""
+    q0, q1, q2, q3 = _nf4_pairs(w, tables, cb_ptr, EMULATE, SMEM)
     p0, p4 = _nf4_pair_planes(q0, tile, rows, s_ptr, stride_sg, 0, group_size, SCALED, HALF_SCALE, DTYPE)
     p1, p5 = _nf4_pair_planes(q1, tile, rows, s_ptr, stride_sg, 1, group_size, SCALED, HALF_SCALE, DTYPE)
     p2, p6 = _nf4_pair_planes(q2, tile, rows, s_ptr, stride_sg, 2, group_size, SCALED, HALF_SCALE, DTYPE)
@@ -220,11 +224,12 @@ _NF4_FILL_ASM = tl.constexpr("{\n.reg .b32 e, s, x, la, lb, ha, hb, lo, hi, p;\n
 
 
 @triton.jit
-def _nf4_pair_table(cb_ptr):
-    """Fills the pair table from the codebook and returns its base address. Every thread of the program calls it
-    (it ends on a barrier); the codebook is a constant, so this may run before a dependent launch's wait."""
+def _nf4_pair_table(cb_ptr, SIXTEENTH: tl.constexpr):
+    """Fills the pair table from the codebook (/ 16 when SIXTEENTH, as `_nf4_tables`) and returns its base
+    address. Every thread of the program calls it (it ends on a barrier); the codebook is a constant, so this may
+    run before a dependent launch's wait."""
     base = _nf4_pair_table_base(0)
-    t0, t1, t2, t3, t4, t5, t6, t7 = _nf4_tables(cb_ptr, True)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _nf4_tables(cb_ptr, SIXTEENTH)
     quarter = tl.arange(0, 2048)  # 256 entries x 8 quarter-rows of 16 bytes
     tables = [tl.broadcast_to(t, quarter.shape) for t in (t0, t1, t2, t3, t4, t5, t6, t7)]
     tl.inline_asm_elementwise(_NF4_FILL_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [quarter, base + quarter * 16] + tables,
@@ -249,3 +254,15 @@ def nf4_pair_table_asm(word: str, byte: int, lane: str, base: str, out: str) -> 
     2 byte + 1), `lane` holding 4 x the lane and `base` the table's address; needs a .b32 register a."""
     shift = f"shl.b32 a, {word}, 7;" if byte == 0 else f"shr.b32 a, {word}, {8 * byte - 7};"
     return f"{shift}\nlop3.b32 a, a, 0x7F80, {lane}, 0xEA;\nadd.u32 a, a, {base};\nld.shared.b32 {out}, [a];\n"
+
+
+# `_NF4_PAIRS_ASM`'s pairs (J, J + 4) from the shared-memory pair table: bytes 0-3 give the pairs of nibbles
+# (0, 1), (2, 3), (4, 5), (6, 7), and 4 PRMT take their halves: 4 LDS, 8 shift / LOP3 and 4 PRMT per 8 weights
+# (the byte permutes: 24). Operands: $0-$3 the pairs, $4 the word. The lane and the table's address are read in
+# the PTX itself (`nf4_pair_table`, the symbol `nf4_table.ll` links in): as operands they came from a broadcast
+# that Triton could not put in the tensor-core operand's layout (a layout conversion through shared memory).
+_NF4_TABLE_PAIRS_ASM = tl.constexpr(
+    "{\n.reg .b32 a, l, t, b0, b1, b2, b3;\nmov.u32 l, %laneid;\nshl.b32 l, l, 2;\nmov.u32 t, nf4_pair_table;\n"
+    + "".join(nf4_pair_table_asm("$4", byte, "l", "t", f"b{byte}") for byte in range(4))
+    + "prmt.b32 $0, b0, b2, 0x5410;\nprmt.b32 $1, b0, b2, 0x7632;\n"
+    + "prmt.b32 $2, b1, b3, 0x5410;\nprmt.b32 $3, b1, b3, 0x7632;\n}")
