@@ -128,8 +128,8 @@ def test_merge_compare_puts_nf4_winners_into_nf4_keys():
 
 def test_merge_compare_puts_nf4_decode_plans_into_nf4_keys():
     """An NF4 winner at M = 1 that differs from the shipped launch only in its packed-GEMV plan writes that whole
-    plan into the "nf4" keys, beside an override already there; one that drops the shipped launch's mma plan is
-    not written."""
+    plan into the "nf4" keys, beside an override already there; so does one that differs only in taking the pair
+    table ("nf4_smem"); one that drops the shipped launch's mma plan is not written."""
     env = {"date": "d", "torch": "t", "triton": "tr", "cuda": "c", "command": "cmd"}
     half2 = {"block_n": 8, "tiles": 32, "num_warps": 4}
     gemv = {"kernel": "gemv", "block_n": 8, "tiles": 8, "half2": half2}
@@ -142,7 +142,12 @@ def test_merge_compare_puts_nf4_decode_plans_into_nf4_keys():
     tile = {"block_m": 128, "block_n": 256}
     table = {"shapes": {"28672x4096": {"1": {**gemv, "nf4": {"wgmma": tile}}},
                         "4096x14336": {"4": {**gemv, "mma": mma}}}}
+    dot = {"kernel": "dot", "block_m": 64, "block_n": 128}
+    rows += [{"shape": "L3-70B o", "m": 64, "impl": "shipped", "us": 30.0, "config": dot},
+             {"shape": "L3-70B o", "m": 64, "impl": "candidate", "us": 27.0, "config": {**dot, "nf4_smem": True}}]
+    table["shapes"]["8192x8192"] = {"64": dict(dot)}
     changes = merge_compare(table, {"env": env, "fmt": "nf4", "group": 64, "rows": rows})
+    assert table["shapes"]["8192x8192"]["64"] == {**dot, "nf4": {"nf4_smem": True}}  # E73e's per-shape choice
     assert table["shapes"]["28672x4096"]["1"] == {**gemv, "nf4": {"half2": faster}}
     assert table["shapes"]["4096x14336"]["4"] == {**gemv, "mma": mma}
     assert [c for c in changes if "not written" in c] == [c for c in changes if c.startswith("L3-8B down")]
