@@ -81,8 +81,8 @@ def _dot_kernel(
     NF4_TABLES (NF4 on the full-tile path, NVIDIA): the codebook is looked up by byte permutes
     (`_nf4_tile_in_k_order`) rather than gathered per weight, or with NF4_SMEM (a plan's "nf4_smem", linked
     through extern_libs) in the shared-memory pair table, filled before the PDL wait; EMULATE runs the same bit
-    logic by gathers (the interpreter). NF4_HALF_SCALE (fp16 operands and scales, NVIDIA): groups smaller than a tile scale the
-    looked-up pairs by packed fp16 multiplies (`nf4._HMUL2_ASM`) instead of in fp32.
+    logic by gathers (the interpreter). NF4_HALF_SCALE (fp16 operands and scales, NVIDIA): groups smaller than a
+    tile scale the looked-up pairs by packed fp16 multiplies (`nf4._HMUL2_ASM`) instead of in fp32.
 
     SWIGLU (a fused gate / up weight in the SwiGLU layout): the output is ``[M, N // 2]``, silu(gate) * up of
     the fp32 accumulator after scales and bias (`_swiglu_rows`); split-K partials stay fused rows, and the

@@ -278,7 +278,8 @@ def _dot_nf4_table_flags(plan: dict, codebook, x) -> dict:
     if not plan.get("nf4_tables") or not plan.get("nf4_smem", False):
         return {}
     flags = _nf4_table_flags(plan, codebook)
-    ring = plan.get("num_stages", 2) * (plan["block_m"] * 128 * x.element_size() + plan["block_n"] * WORDS_PER_TILE * 4)
+    stage = plan["block_m"] * 128 * x.element_size() + plan["block_n"] * WORDS_PER_TILE * 4
+    ring = plan.get("num_stages", 2) * stage
     if flags and ring + NF4_PAIR_TABLE_BYTES > _shared_memory_per_block(x.device.index) - 1024:
         return {}
     return flags
