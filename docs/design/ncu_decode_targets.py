@@ -4,7 +4,7 @@ those at ~87 % and cuBLAS, so the counters can say why (stall reasons, DRAM thro
 Each case is called once to compile and warm up, then once inside the NVTX range "profile", which ncu selects:
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" --set full -o $OUT/decode \
-        python docs/design/ncu_decode_targets.py [w4a16] [moe] [moe16] [mma] [dot] [wgmma] [wgmma1024] [wgmma4096]
+        python docs/design/ncu_decode_targets.py [w4a16] [moe] [moe16] [mma] [dot] [wgmma] [wgmma1024] [wgmma4096] [nf4]
     ncu --import $OUT/decode.ncu-rep --page details --csv > $OUT/decode-details.csv
 
 Cases: w4a16 at M = 1, fp16, int4 g128, the eight Llama-3 shapes on the shipped launch (the card's table);
@@ -19,7 +19,9 @@ on 8B gate_up and 70B o (issue #12's M = 16 and M = 256 goals are the furthest f
 Gluon prefill kernel (128-token tiles, 3 stages, two chunks in flight: E37) at M = 256 on the same two shapes.
 `wgmma1024`: the shipped launch at M = 1024 (the table's 256-row wgmma tile on the Llama-3 shapes) on the same two
 shapes, cuBLAS fp16 beside; `wgmma4096`: the same at M = 4096 on 8B gate_up and 8B down. `moe16`: moe-dispatch
-`experts` at T = 1 with bf16 experts, Mixtral-8x7B and Qwen3-30B-A3B.
+`experts` at T = 1 with bf16 experts, Mixtral-8x7B and Qwen3-30B-A3B. `nf4`: NF4 g64 on the shipped launch (the
+pair table: E73 / E74) beside int4 g128 at M = 1 on 8B qkv, 8B o and 70B down (NF4 / int4 0.63-0.96 on the H100
+after E73) and at M = 256 on 8B gate_up and 70B o (the wgmma tile where the table names it).
 """
 import sys
 
@@ -86,6 +88,19 @@ with loaded_kernel(w4a16_project) as w4a16, loaded_kernel(moe_project) as moe:
                 nf4 = w4a16.quantize(weight, group_size=wb.NF4_GROUP, fmt="nf4")
                 x = torch.randn(16, k, device="cuda", dtype=torch.float16)
                 cases.append((f"w4a16 nf4 {label} M=16", lambda x=x, qw=nf4: w4a16.matmul(x, qw)))
+    if "nf4" in which:
+        for label, k, n in wb.SHAPES:
+            tokens = [1] if label in ("L3-8B qkv", "L3-8B o", "L3-70B down") else []
+            tokens += [256] if label in ("L3-8B gate_up", "L3-70B o") else []
+            if not tokens:
+                continue
+            weight = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+            formats = {"int4": w4a16.quantize(weight, group_size=wb.GROUP),
+                       "nf4": w4a16.quantize(weight, group_size=wb.NF4_GROUP, fmt="nf4")}
+            for m in tokens:
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                for fmt, qw in formats.items():
+                    cases.append((f"w4a16 {fmt} {label} M={m}", lambda x=x, qw=qw: w4a16.matmul(x, qw)))
     if "moe" in which:
         spec = mb.QUANT_FORMATS["int4-g128"]
         for name in ("mixtral-8x7b", "qwen3-30b-a3b"):
