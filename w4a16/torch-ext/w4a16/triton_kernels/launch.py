@@ -277,10 +277,15 @@ def _dot_nf4_table_flags(plan: dict, codebook, x) -> dict:
     words' tiles a stage: a 256 x 128 tile of 3 stages does not, and failed to launch), else the byte permutes."""
     if not plan.get("nf4_tables") or not plan.get("nf4_smem", False):
         return {}
-    flags = _nf4_table_flags(plan, codebook)
     stage = plan["block_m"] * 128 * x.element_size() + plan["block_n"] * WORDS_PER_TILE * 4
-    ring = plan.get("num_stages", 2) * stage
-    if flags and ring + NF4_PAIR_TABLE_BYTES > _shared_memory_per_block(x.device.index) - 1024:
+    return _nf4_table_beside(plan, codebook, plan.get("num_stages", 2) * stage, x.device.index)
+
+
+def _nf4_table_beside(plan: dict, codebook, used: int, device_index) -> dict:
+    """`_nf4_table_flags` where the table's static 32 KB fit beside `used` bytes of a kernel's own shared memory
+    (less 1 KB of slack for barriers) on this device, else none (the byte permutes)."""
+    flags = _nf4_table_flags(plan, codebook)
+    if flags and used + NF4_PAIR_TABLE_BYTES > _shared_memory_per_block(device_index) - 1024:
         return {}
     return flags
 
@@ -347,14 +352,10 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     # 32 of fp32) fit beside the ring: 1.02-1.07x over pointer stores after a layout conversion, the stores of one
     # block overlapping the next block's start (docs/design/w4a16.md E50)
     ring = plan.get("num_stages", 4) * (block_n * WORDS_PER_TILE * 4 + block_m * 128 * x.element_size() + group_row)
-    shared = _shared_memory_per_block(x.device.index) - 1024
-    # NF4 from the pair table (E74) where its static 32 KB fit beside the ring, else by byte permutes; the TMA
-    # stores' buffers below then have to fit beside both
-    nf4_table = _nf4_table_flags(plan, codebook)
-    if nf4_table and ring + NF4_PAIR_TABLE_BYTES <= shared:
-        shared -= NF4_PAIR_TABLE_BYTES
-    else:
-        nf4_table = {}
+    # NF4 from the pair table (E74) where it fits beside the ring, else by byte permutes; the TMA stores' buffers
+    # below then have to fit beside both
+    nf4_table = _nf4_table_beside(plan, codebook, ring, x.device.index)
+    shared = _shared_memory_per_block(x.device.index) - 1024 - (NF4_PAIR_TABLE_BYTES if nf4_table else 0)
     consumers = block_n // (64 * chains)
     fits = ring + block_n * block_m * 2 <= shared
     # a split's fp32 partial sums by TMA stores too (E51: 1.02x at M = 256) where their rows are 16-byte aligned

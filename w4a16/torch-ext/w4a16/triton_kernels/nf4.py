@@ -256,13 +256,17 @@ def nf4_pair_table_asm(word: str, byte: int, lane: str, base: str, out: str) -> 
     return f"{shift}\nlop3.b32 a, a, 0x7F80, {lane}, 0xEA;\nadd.u32 a, a, {base};\nld.shared.b32 {out}, [a];\n"
 
 
+# The tensor-core kernels' lookups read 4 x the lane (into l) and the table's address (into t: `nf4_pair_table`,
+# the symbol `nf4_table.ll` links in) in the PTX itself: as operands they came from a broadcast that Triton could
+# not put in the tensor-core operand's layout (a layout conversion through shared memory, E73e). ptxas makes them
+# once a thread. Needs .b32 registers l, t.
+NF4_TABLE_ADDRESS_PTX = "mov.u32 l, %laneid;\nshl.b32 l, l, 2;\nmov.u32 t, nf4_pair_table;\n"
+
 # `_NF4_PAIRS_ASM`'s pairs (J, J + 4) from the shared-memory pair table: bytes 0-3 give the pairs of nibbles
 # (0, 1), (2, 3), (4, 5), (6, 7), and 4 PRMT take their halves: 4 LDS, 8 shift / LOP3 and 4 PRMT per 8 weights
-# (the byte permutes: 24). Operands: $0-$3 the pairs, $4 the word. The lane and the table's address are read in
-# the PTX itself (`nf4_pair_table`, the symbol `nf4_table.ll` links in): as operands they came from a broadcast
-# that Triton could not put in the tensor-core operand's layout (a layout conversion through shared memory).
+# (the byte permutes: 24). Operands: $0-$3 the pairs, $4 the word (lane and address: `NF4_TABLE_ADDRESS_PTX`).
 _NF4_TABLE_PAIRS_ASM = tl.constexpr(
-    "{\n.reg .b32 a, l, t, b0, b1, b2, b3;\nmov.u32 l, %laneid;\nshl.b32 l, l, 2;\nmov.u32 t, nf4_pair_table;\n"
+    "{\n.reg .b32 a, l, t, b0, b1, b2, b3;\n" + NF4_TABLE_ADDRESS_PTX
     + "".join(nf4_pair_table_asm("$4", byte, "l", "t", f"b{byte}") for byte in range(4))
     + "prmt.b32 $0, b0, b2, 0x5410;\nprmt.b32 $1, b0, b2, 0x7632;\n"
     + "prmt.b32 $2, b1, b3, 0x5410;\nprmt.b32 $3, b1, b3, 0x7632;\n}")
