@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hubtools.bench.w4a16 import (GOAL_HEURISTIC_VS_TUNED, _matmul_with, goals, main, merge_compare,
-                                  stand_in_table, wgmma_split_regret)
+from hubtools.bench.w4a16 import (GOAL_HEURISTIC_VS_TUNED, _matmul_with, bench_as_compare, goals, main,
+                                  merge_compare, stand_in_table, wgmma_split_regret)
 from hubtools.workspace import Workspace
 
 
@@ -239,3 +239,46 @@ def test_sustained_replays_time_each_replay_until_the_time_is_up(monkeypatch):
     monkeypatch.setattr(measure, "_replay_seconds", lambda graph: 8.0)
     replays = measure.sustained_replays(lambda i: None, 3, 4.5, calls=4)
     assert replays == [(2.0, 2.0), (4.0, 2.0)]  # the clock read once to test, once to stamp each replay
+
+
+def test_merge_compare_keeps_the_nf4_and_bf16_overrides_of_a_replaced_entry():
+    """An int4 winner replaces a bucket's config but not its "nf4" / "bf16" overrides (what NF4 and bf16 x run was
+    measured on its own); an M above every bucket keeps what it ran, NF4 keys included."""
+    env = {"date": "d", "torch": "t", "triton": "tr", "cuda": "c", "command": "cmd"}
+    dot, tile = {"kernel": "dot", "block_m": 64}, {"block_m": 128, "block_n": 256}
+    rows = [{"shape": "L3-8B qkv", "m": 256, "impl": "shipped", "us": 10.0, "config": dot},
+            {"shape": "L3-8B qkv", "m": 256, "impl": "candidate", "us": 8.0, "config": {**dot, "wgmma": tile}},
+            {"shape": "L3-8B qkv", "m": 1024, "impl": "shipped", "us": 40.0, "config": dot}]
+    table = {"shapes": {"6144x4096": {"256": {**dot, "nf4": {"wgmma": tile}, "bf16": {"num_warps": 8}}}}}
+    assert len(merge_compare(table, {"env": env, "fmt": "int4", "group": 128, "rows": rows})) == 2
+    assert table["shapes"]["6144x4096"] == {
+        "256": {**dot, "wgmma": tile, "nf4": {"wgmma": tile}, "bf16": {"num_warps": 8}},
+        "1024": {**dot, "nf4": {"wgmma": tile}}}
+
+
+def test_a_results_bench_merges_its_heuristic_rows_where_they_won(load_kernel):
+    """`bench_as_compare`: a results bench's fp16 "ours" rows become the shipped launches (their config: the
+    row's own, or in older files what the table holds) and its "ours-heuristic" rows the candidates; other
+    formats, bf16 rows, untuned shapes and M outside `tokens` are left out. Merged, the heuristic's launch goes in
+    only where it won by more than the margin."""
+    tuned_config = load_kernel("w4a16").tuning.tuned_config
+    dot, heuristic = {"kernel": "dot", "block_m": 64}, {"kernel": "dot", "block_m": 128, "wgmma": {"block_m": 128}}
+    rows = []
+    for label, m, ours, theirs in (("L3-8B qkv", 256, 10.0, 7.0), ("L3-8B o", 256, 10.0, 9.9),
+                                   ("L3-8B qkv", 16, 10.0, 5.0), ("Q2.5-1.5B qkv", 256, 10.0, 5.0)):
+        rows += [{"case": f"{label} M={m} fp16", "impl": "ours", "seconds": ours * 1e-6},
+                 {"case": f"{label} M={m} fp16", "impl": "ours-heuristic", "seconds": theirs * 1e-6,
+                  "config": heuristic},
+                 {"case": f"{label} M={m} fp16", "impl": "ours-nf4", "seconds": 1e-6},
+                 {"case": f"{label} M={m} bf16", "impl": "ours", "seconds": 1e-6}]
+    results = {"kernel": "w4a16", "env": {"date": "d", "torch": "t", "triton": "tr", "cuda": "c", "command": "cmd"},
+               "rows": rows}
+    table = {"shapes": {"6144x4096": {"64": {"kernel": "gemv"}, "1024": dot}, "4096x4096": {"1024": dot}}}
+    compared = bench_as_compare(results, table, tuned_config, tokens=[256])
+    assert [(r["shape"], r["m"], r["impl"], r["config"]) for r in compared["rows"]] == [
+        ("L3-8B qkv", 256, "shipped", dot), ("L3-8B qkv", 256, "candidate", heuristic),
+        ("L3-8B o", 256, "shipped", dot), ("L3-8B o", 256, "candidate", heuristic)]
+    assert len(merge_compare(table, compared)) == 1
+    assert table["shapes"]["6144x4096"]["256"] == heuristic and table["shapes"]["4096x4096"] == {"1024": dot}
+    with pytest.raises(ValueError, match="results bench"):
+        bench_as_compare({"kernel": "rmsnorm", "rows": []}, table, tuned_config)

@@ -137,7 +137,8 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
     copy_bw = measure_copy_bandwidth()
     flops_peak = measure_matmul_flops()
     rows, notes = [], [FORMAT_NOTE, HEURISTIC_NOTE]
-    device_name, sm_count = kernel.tuning.device_info(torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device("cuda", torch.cuda.current_device())
+    device_name, sm_count = kernel.tuning.device_info(device)
     thresholds = kernel.tuning.table(device_name).get("heuristic")
     for label, k, n in shapes:
         shape = _Shape(kernel, k, n)
@@ -150,7 +151,8 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
             t, err = _time_verified(lambda i: kernel.matmul(xs[i], shape.qws[i % shape.copies]), shape.copies, xs,
                                     shape.reference, torch.float16, plan)
             rows.append({"case": case, "impl": "ours", "seconds": t, "bytes": shape.our_bytes(m),
-                         "ideal_bytes": shape.ideal_bytes(m), "baseline": "cublas-fp16", "rel_err": err, **base})
+                         "ideal_bytes": shape.ideal_bytes(m), "baseline": "cublas-fp16", "rel_err": err,
+                         "config": kernel.tuning.select(m, n, k, device), **base})
             heuristic = kernel.tuning.heuristic(m, n, k, sm_count, thresholds)
             t, err = _time_verified(lambda i: _matmul_with(kernel, xs[i], shape.qws[i % shape.copies], heuristic),
                                     shape.copies, xs, shape.reference, torch.float16, plan)
@@ -745,11 +747,46 @@ def _merge_into(table_path, compared: dict) -> None:
     print(f"wrote {table_path}")
 
 
+def bench_as_compare(results: dict, table: dict, tuned_config: Callable[..., dict | None],
+                     tokens=None) -> dict:
+    """A results bench (`run`, symmetric int4 g128, fp16 x) as a `compare_decode` result: per Llama-3 shape and M
+    (those in `tokens`, default every one), its "ours" row as the shipped launch and its "ours-heuristic" row as
+    the one candidate, so that `merge_compare` writes the heuristic's launch where it beat the table in that run.
+    An "ours" row's config is its own (recorded since 2026-12-07) or, in older files, what `table` holds for it
+    (`tuned_config`, the kernel's `tuning.tuned_config`): the table must then be the one the bench ran, unchanged
+    since in its int4 configs. Shapes without an entry ran the heuristic as "ours" and are left out."""
+    if results.get("kernel") != "w4a16":
+        raise ValueError(f"not a w4a16 results bench (kernel {results.get('kernel')!r})")
+    labels = {label: (k, n) for label, k, n in SHAPES}
+    rows = []
+    for row in results["rows"]:
+        label, rest = row["case"].split(" M=")
+        m, x_dtype = rest.split(" ", 1)
+        m = int(m)
+        if (x_dtype != "fp16" or label not in labels or row["impl"] not in ("ours", "ours-heuristic")
+                or (tokens and m not in tokens)):
+            continue
+        k, n = labels[label]
+        config = row.get("config")
+        if config is None:
+            config = tuned_config(table, m, n, k)
+            if config is None:
+                continue
+            config = {key: value for key, value in config.items() if key != "nf4"}  # as `tuning.select` gives
+        rows.append({"shape": label, "N": n, "K": k, "m": m, "config": config, "us": row["seconds"] * 1e6,
+                     "impl": "shipped" if row["impl"] == "ours" else "candidate"})
+    return {"env": results["env"], "fmt": "int4", "group": GROUP, "zero_point": False, "x_dtype": "float16",
+            "rows": rows}
+
+
 def _override(config: dict, variant: dict) -> dict:
     """`config` with `variant`'s keys; a dict-valued key that both have (``"mma"``, ``"half2"``) merges one level
     down, so ``{"mma": {"tiles": 4}}`` keeps each shape's other mma settings."""
     return {**config, **{key: {**config[key], **value} if isinstance(value, dict) and isinstance(config.get(key), dict)
                          else value for key, value in variant.items()}}
+
+
+OVERRIDES = ("bf16", "nf4")  # a table entry's keys for other activations / formats (`merge_compare` keeps them)
 
 
 def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.03) -> list[str]:
@@ -759,8 +796,8 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     entry's buckets keeps the config it ran as a bucket of its own. Shapes outside `shapes` (the
     untuned ones that check the heuristic) are never written. A result with bf16 x goes into the entry's
     ``"bf16"`` override (`tuning.for_activations`): the winner's keys that differ from the entry tuned with fp16
-    x, which must exist; an fp16 winner keeps the override of the entry it replaces. An NF4 result (fp16 x, any
-    group size) goes into the entry's ``"nf4"`` keys (`tuning.nf4_tiles`), which hold the wgmma tile and the
+    x, which must exist; an int4 winner with fp16 x keeps the bf16 and NF4 overrides of the entry it replaces.
+    An NF4 result (fp16 x, any group size) goes into the entry's ``"nf4"`` keys (`tuning.nf4_tiles`), which hold the wgmma tile and the
     decode kernels' plans (`NF4_OVERRIDE_KEYS`): a winner that differs from the shipped NF4 launch in anything
     else is not written."""
     measured = (result.get("fmt", "int4"), result.get("group", GROUP), result.get("zero_point", False))
@@ -794,7 +831,7 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
                                       shipped.get(key), was))
             continue
         entries = table.setdefault("shapes", {}).setdefault(f"{n}x{k}", {})
-        config = {name: value for name, value in row["config"].items() if name != "bf16"}
+        config = {name: value for name, value in row["config"].items() if name not in OVERRIDES}
         if x_dtype == "bfloat16":
             entry = entries.get(str(m))
             if entry is None:
@@ -802,9 +839,9 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
                 continue
             config = {name: value for name, value in config.items() if entry.get(name) != value}
             entry["bf16"] = config
-        else:  # an entry's bf16 override stays: it says what bf16 x runs, whatever fp16 x now runs
-            kept = entries.get(str(m), {}).get("bf16")
-            entries[str(m)] = config if kept is None else {**config, "bf16": kept}
+        else:  # an entry's bf16 / NF4 overrides stay: they say what bf16 x and NF4 run, whatever int4 now runs
+            before = entries.get(str(m), {})
+            entries[str(m)] = {**config, **{name: before[name] for name in OVERRIDES if name in before}}
         touched.add(label)
         changes.append(f"{label} M={m}{' bf16' if x_dtype == 'bfloat16' else ''}: {was} -> {row['us']:.1f} us "
                        f"{json.dumps(config, sort_keys=True)}")
@@ -814,7 +851,9 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
         k, n = labels[label]
         entries = table.get("shapes", {}).get(f"{n}x{k}", {})
         if label in touched and all(int(bucket) < m for bucket in entries):
-            entries[str(m)] = row["config"]
+            # what ran there, with the NF4 keys of the bucket it ran in (`tuning.select` leaves them out)
+            ran_nf4 = entries[str(max(int(bucket) for bucket in entries))].get("nf4") if entries else None
+            entries[str(m)] = row["config"] if ran_nf4 is None else {**row["config"], "nf4": ran_nf4}
             changes.append(f"{label} M={m}: keeps {json.dumps(row['config'], sort_keys=True)} (a bucket below "
                            "changed)")
     env = result["env"]
@@ -1059,7 +1098,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="the results file (every mode but --merge-result)")
     parser.add_argument("--shapes", nargs="*", default=None,
                         help="shape labels (default: the Llama-3 shapes for the sweep; every shape for --compare-decode)")
-    parser.add_argument("--tokens", nargs="*", type=int, default=[1, 16, 64, 256, 1024])
+    parser.add_argument("--tokens", nargs="*", type=int, default=None,
+                        help="the M to time (default 1 16 64 256 1024); with --merge-result of a results bench, the M "
+                             "to merge (default every one)")
     parser.add_argument("--table", type=Path, help="also write the launch table the kernel ships here (with "
                         "--compare-decode: merge the winners that beat the shipped configs, see merge_compare)")
     parser.add_argument("--code", type=Path, help="write the winning M=1 / M=16 kernels' TTGIR, PTX, cubin here")
@@ -1073,7 +1114,9 @@ def main(argv: list[str] | None = None) -> int:
                         "for the card's own (e.g. configs/nvidia-h200.json on an H100), or 'none' for the heuristic "
                         "(see stand_in_table)")
     parser.add_argument("--merge-result", type=Path, help="merge a --compare-decode result file written earlier into "
-                        "--table's file (merge_compare; the file's own env and command go with it), timing nothing")
+                        "--table's file (merge_compare; the file's own env and command go with it), timing nothing; "
+                        "or a results bench (scripts/bench.py w4a16), whose heuristic rows are then the candidates "
+                        "(bench_as_compare)")
     parser.add_argument("--fmt", choices=("int4", "nf4"), default="int4", help="--compare-decode's weight format")
     parser.add_argument("--group", type=int, default=GROUP, help="--compare-decode's group size")
     parser.add_argument("--bf16", action="store_true", help="--compare-decode with bf16 activations (and cuBLAS "
@@ -1124,8 +1167,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge_result:
         if not args.table:
             parser.error("--merge-result needs --table (the table to merge into)")
-        _merge_into(args.table, json.loads(args.merge_result.read_text()))
+        compared = json.loads(args.merge_result.read_text())
+        if "kernel" in compared:  # a results bench, not a compare
+            with loaded_kernel(project) as module:
+                compared = bench_as_compare(compared, json.loads(args.table.read_text()),
+                                            module.tuning.tuned_config, args.tokens)
+        _merge_into(args.table, compared)
         return 0
+    if args.tokens is None:
+        args.tokens = [1, 16, 64, 256, 1024]
     if args.out is None:
         parser.error("--out is required")
     if args.compare_decode:

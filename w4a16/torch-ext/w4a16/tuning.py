@@ -87,12 +87,14 @@ def device_info(device: torch.device) -> tuple[str, int]:
     return "interpreter", 4  # the Triton interpreter on CPU tensors: small grids
 
 
-def _bucket(entry: dict, m: int) -> dict:
+def tuned_config(tuned: dict, m: int, n: int, k: int) -> dict | None:
+    """The config a launch table (`table`'s dict) holds for (N, K) at M: its smallest bucket >= M, else its
+    largest; None where the shape has no entry."""
+    entry = tuned.get("shapes", {}).get(f"{n}x{k}")
+    if not entry:
+        return None
     buckets = sorted(int(b) for b in entry)
-    for b in buckets:
-        if m <= b:
-            return entry[str(b)]
-    return entry[str(buckets[-1])]
+    return entry[str(next((b for b in buckets if m <= b), buckets[-1]))]
 
 
 def heuristic(m: int, n: int, k: int, sm_count: int, thresholds: dict | None = None, nf4: bool = False) -> dict:
@@ -191,11 +193,11 @@ def select(m: int, n: int, k: int, device: torch.device, nf4_group: int | None =
     their group size) with their own tensor-core tiles (`nf4_tiles`)."""
     name, sm_count = device_info(device)
     tuned = table(name)
-    entry = tuned.get("shapes", {}).get(f"{n}x{k}")
-    if entry is None and device.type != "cpu":
-        _note_heuristic(name, n, k)
-    config = (_bucket(entry, m) if entry else
-              heuristic(m, n, k, sm_count, tuned.get("heuristic"), nf4=nf4_group is not None))
+    config = tuned_config(tuned, m, n, k)
+    if config is None:
+        if device.type != "cpu":
+            _note_heuristic(name, n, k)
+        config = heuristic(m, n, k, sm_count, tuned.get("heuristic"), nf4=nf4_group is not None)
     if nf4_group is not None:
         return nf4_tiles(config, m, n, sm_count, nf4_group)
     if "nf4" not in config:  # no copy on the common path: select runs on every call
