@@ -739,10 +739,10 @@ def compare_decode(kernel, shapes=SHAPES + QWEN_SHAPES + OTHER_SHAPES, tokens=(1
     return result
 
 
-def _merge_into(table_path, compared: dict) -> None:
+def _merge_into(table_path, compared: dict, min_gain: float) -> None:
     """`merge_compare` of a `compare_decode` result into the table file at `table_path`, rewritten in place."""
     table = json.loads(table_path.read_text())
-    print("\n".join(merge_compare(table, compared)))
+    print("\n".join(merge_compare(table, compared, min_gain=min_gain)))
     table_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"wrote {table_path}")
 
@@ -1117,6 +1117,9 @@ def main(argv: list[str] | None = None) -> int:
                         "--table's file (merge_compare; the file's own env and command go with it), timing nothing; "
                         "or a results bench (scripts/bench.py w4a16), whose heuristic rows are then the candidates "
                         "(bench_as_compare)")
+    parser.add_argument("--min-gain", type=float, default=0.03,
+                        help="merge a winner only where it beats the shipped launch by more than this share (default "
+                             "0.03, one pass's noise; interleaved --rounds resolve ~0.01)")
     parser.add_argument("--fmt", choices=("int4", "nf4"), default="int4", help="--compare-decode's weight format")
     parser.add_argument("--group", type=int, default=GROUP, help="--compare-decode's group size")
     parser.add_argument("--bf16", action="store_true", help="--compare-decode with bf16 activations (and cuBLAS "
@@ -1172,7 +1175,7 @@ def main(argv: list[str] | None = None) -> int:
             with loaded_kernel(project) as module:
                 compared = bench_as_compare(compared, json.loads(args.table.read_text()),
                                             module.tuning.tuned_config, args.tokens)
-        _merge_into(args.table, compared)
+        _merge_into(args.table, compared, args.min_gain)
         return 0
     if args.tokens is None:
         args.tokens = [1, 16, 64, 256, 1024]
@@ -1191,7 +1194,7 @@ def main(argv: list[str] | None = None) -> int:
                                       rounds=args.rounds)
         print(f"wrote {args.out}")
         if args.table:
-            _merge_into(args.table, compared)
+            _merge_into(args.table, compared, args.min_gain)
         return 0
     if args.sustained:
         with loaded_kernel(project) as module:
