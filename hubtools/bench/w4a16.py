@@ -148,21 +148,24 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
             xs = _inputs(m, k, torch.float16, max(shape.copies, len(dense16)))
             base = {"flops": 2 * m * n * k}
             plan = _timing_plan(m)
-            t, err = _time_verified(lambda i: kernel.matmul(xs[i], shape.qws[i % shape.copies]), shape.copies, xs,
-                                    shape.reference, torch.float16, plan)
-            rows.append({"case": case, "impl": "ours", "seconds": t, "bytes": shape.our_bytes(m),
-                         "ideal_bytes": shape.ideal_bytes(m), "baseline": "cublas-fp16", "rel_err": err,
-                         "config": kernel.tuning.select(m, n, k, device), **base})
             heuristic = kernel.tuning.heuristic(m, n, k, sm_count, thresholds)
-            t, err = _time_verified(lambda i: _matmul_with(kernel, xs[i], shape.qws[i % shape.copies], heuristic),
-                                    shape.copies, xs, shape.reference, torch.float16, plan)
-            rows.append({"case": case, "impl": "ours-heuristic", "seconds": t, "bytes": shape.our_bytes(m),
-                         "ideal_bytes": shape.ideal_bytes(m), "baseline": "cublas-fp16", "rel_err": err,
+            launches = (lambda i: kernel.matmul(xs[i], shape.qws[i % shape.copies]),
+                        lambda i: _matmul_with(kernel, xs[i], shape.qws[i % shape.copies], heuristic),
+                        lambda i: F.linear(xs[i], dense16[i % len(dense16)]))
+            ref = shape.reference(xs[0])
+            errs = [_verified(fn(0), ref, torch.float16) for fn in launches]
+            # interleaved, each the best of its rounds (as time_graph's replays): timed one after the other, two
+            # launches of the same config differed by up to 10 % (run 177, 70B M = 1)
+            seconds = [min(t) for t in time_graphs_interleaved(launches, len(xs), calls=plan.get("calls"),
+                                                                 rounds=plan.get("replays", 5))]
+            rows.append({"case": case, "impl": "ours", "seconds": seconds[0], "bytes": shape.our_bytes(m),
+                         "ideal_bytes": shape.ideal_bytes(m), "baseline": "cublas-fp16", "rel_err": errs[0],
+                         "config": kernel.tuning.select(m, n, k, device), **base})
+            rows.append({"case": case, "impl": "ours-heuristic", "seconds": seconds[1], "bytes": shape.our_bytes(m),
+                         "ideal_bytes": shape.ideal_bytes(m), "baseline": "cublas-fp16", "rel_err": errs[1],
                          "config": heuristic, **base})
-            t, err = _time_verified(lambda i: F.linear(xs[i], dense16[i % len(dense16)]), len(dense16), xs,
-                                    shape.reference, torch.float16, plan)
-            rows.append({"case": case, "impl": "cublas-fp16", "seconds": t, "bytes": 2 * (n * k + m * (k + n)),
-                         "rel_err": err, **base})
+            rows.append({"case": case, "impl": "cublas-fp16", "seconds": seconds[2], "bytes": 2 * (n * k + m * (k + n)),
+                         "rel_err": errs[2], **base})
             print(f"{case}: ours {rows[-3]['seconds'] * 1e6:.1f} us, heuristic {rows[-2]['seconds'] * 1e6:.1f} us, "
                   f"cublas {t * 1e6:.1f} us", flush=True)
         del dense16
