@@ -167,7 +167,7 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
             rows.append({"case": case, "impl": "cublas-fp16", "seconds": seconds[2], "bytes": 2 * (n * k + m * (k + n)),
                          "rel_err": errs[2], **base})
             print(f"{case}: ours {rows[-3]['seconds'] * 1e6:.1f} us, heuristic {rows[-2]['seconds'] * 1e6:.1f} us, "
-                  f"cublas {t * 1e6:.1f} us", flush=True)
+                  f"cublas {seconds[2] * 1e6:.1f} us", flush=True)
         del dense16
         if label in bf16_shapes:
             rows += _bf16_rows(kernel, shape, label, notes)
