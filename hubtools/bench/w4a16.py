@@ -800,9 +800,9 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
     untuned ones that check the heuristic) are never written. A result with bf16 x goes into the entry's
     ``"bf16"`` override (`tuning.for_activations`): the winner's keys that differ from the entry tuned with fp16
     x, which must exist; an int4 winner with fp16 x keeps the bf16 and NF4 overrides of the entry it replaces.
-    An NF4 result (fp16 x, any group size) goes into the entry's ``"nf4"`` keys (`tuning.nf4_tiles`), which hold the wgmma tile and the
-    decode kernels' plans (`NF4_OVERRIDE_KEYS`): a winner that differs from the shipped NF4 launch in anything
-    else is not written."""
+    An NF4 result (fp16 x, any group size) goes into the entry's ``"nf4"`` keys (`tuning.nf4_tiles`), which hold
+    the wgmma tile and the decode kernels' plans (`NF4_OVERRIDE_KEYS`): a winner that differs from the shipped NF4
+    launch in anything else is not written."""
     measured = (result.get("fmt", "int4"), result.get("group", GROUP), result.get("zero_point", False))
     x_dtype = result.get("x_dtype", "float16")
     nf4 = measured[0] == "nf4" and x_dtype == "float16"
@@ -855,7 +855,7 @@ def merge_compare(table: dict, result: dict, shapes=SHAPES, min_gain: float = 0.
         entries = table.get("shapes", {}).get(f"{n}x{k}", {})
         if label in touched and all(int(bucket) < m for bucket in entries):
             # what ran there, with the NF4 keys of the bucket it ran in (`tuning.select` leaves them out)
-            ran_nf4 = entries[str(max(int(bucket) for bucket in entries))].get("nf4") if entries else None
+            ran_nf4 = entries[str(max(int(bucket) for bucket in entries))].get("nf4")
             entries[str(m)] = row["config"] if ran_nf4 is None else {**row["config"], "nf4": ran_nf4}
             changes.append(f"{label} M={m}: keeps {json.dumps(row['config'], sort_keys=True)} (a bucket below "
                            "changed)")
