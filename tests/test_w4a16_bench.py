@@ -282,3 +282,35 @@ def test_a_results_bench_merges_its_heuristic_rows_where_they_won(load_kernel):
     assert table["shapes"]["6144x4096"]["256"] == heuristic and table["shapes"]["4096x4096"] == {"1024": dot}
     with pytest.raises(ValueError, match="results bench"):
         bench_as_compare({"kernel": "rmsnorm", "rows": []}, table, tuned_config)
+
+
+def test_the_results_bench_rows_on_the_cpu(load_kernel, monkeypatch):
+    """`run` end to end through the interpreter on one small shape, its timers stubbed: per M the table's launch,
+    the heuristic's and cuBLAS are verified against float64, timed interleaved, and each row gets its own best
+    round (the stub gives each launch other times) with the table's config on "ours"; the other formats follow."""
+    import hubtools.bench.w4a16 as bench
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    k = load_kernel("w4a16")
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "rotation_count", lambda nbytes: 2)
+    for name, value in (("warm_clocks", None), ("measure_copy_bandwidth", 1e12), ("measure_matmul_flops", 1e15)):
+        monkeypatch.setattr(bench, name, lambda *args, value=value, **kwargs: value)
+    interleaved = []
+
+    def rounds(fns, n_inputs, calls=None, rounds=5):
+        interleaved.append(len(fns))
+        return [[3e-6 + j, 2e-6 + j, 4e-6 + j][:rounds] for j in range(len(fns))]
+
+    monkeypatch.setattr(bench, "time_graphs_interleaved", rounds)
+    monkeypatch.setattr(bench, "time_graph", lambda fn, n_inputs, **kwargs: 7e-6)
+    results = bench.run(k, shapes=(("tiny", 256, 128),), tokens=(1, 3), bf16_shapes=())
+    cases = {(row["case"], row["impl"]): row for row in results["rows"]}
+    assert interleaved == [3, 3]
+    for m in (1, 3):
+        case = f"tiny M={m} fp16"
+        timed = [cases[case, impl]["seconds"] for impl in ("ours", "ours-heuristic", "cublas-fp16")]
+        assert timed == [2e-6, 1 + 2e-6, 2 + 2e-6]  # each launch's best round, in the order timed
+        assert cases[case, "ours"]["config"] == k.tuning.select(m, 128, 256, torch.device("cpu"))
+        assert all(cases[case, impl]["rel_err"] < 1e-2 for impl in ("ours", "ours-heuristic", "cublas-fp16"))
+        assert cases[case, "ours-nf4"]["seconds"] == 7e-6 and cases[case, "ours-g32-min"]["seconds"] == 7e-6

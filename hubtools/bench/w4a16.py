@@ -44,6 +44,9 @@ GROUP = 128
 NF4_GROUP = 64  # bitsandbytes' block size (until 2026-12-01 13:36 the NF4 rows used 128)
 # Formats timed beside int4 g128 on every shape and M: NF4, and int4 with float minima in groups of 32 (the layout
 # GGUF Q4_1 / Q4_K imports take, w4a16.load_gguf).
+# Where the results bench (`run`) puts its weights and inputs: the GPU; its CPU test runs it through the
+# interpreter with the timers stubbed ("cpu")
+DEVICE = "cuda"
 OTHER_FORMATS = {"ours-nf4": dict(fmt="nf4", group=NF4_GROUP), "ours-g32-min": dict(group=32, zero_point="float")}
 INT4PACK_INNER_K_TILES = 8
 # The issue's goals: speed-up of ours over cuBLAS fp16 (geometric mean over SHAPES) per M.
@@ -93,7 +96,7 @@ class _Shape:
 
     def __init__(self, kernel, k: int, n: int, fmt: str = "int4", group: int = GROUP, zero_point=False):
         self.kernel, self.k, self.n = kernel, k, n
-        weight = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+        weight = torch.randn(n, k, device=DEVICE, dtype=torch.float16) * 0.02
         self.qw = kernel.quantize(weight, group_size=group, fmt=fmt, zero_point=zero_point)
         del weight
         self.copies = rotation_count(self.qw.nbytes())
@@ -116,7 +119,7 @@ class _Shape:
 
 
 def _inputs(m: int, k: int, dtype: torch.dtype, copies: int) -> list[torch.Tensor]:
-    return [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(copies)]
+    return [torch.randn(m, k, device=DEVICE, dtype=dtype) for _ in range(copies)]
 
 
 def _verified(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> float:
@@ -137,7 +140,7 @@ def run(kernel, shapes=SHAPES, tokens=TOKENS, bf16_shapes=BF16_SHAPES) -> dict:
     copy_bw = measure_copy_bandwidth()
     flops_peak = measure_matmul_flops()
     rows, notes = [], [FORMAT_NOTE, HEURISTIC_NOTE]
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(DEVICE)
     device_name, sm_count = kernel.tuning.device_info(device)
     thresholds = kernel.tuning.table(device_name).get("heuristic")
     for label, k, n in shapes:
