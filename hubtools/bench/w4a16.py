@@ -895,8 +895,9 @@ def wgmma_split_regret(choose: Callable[..., int], results: list[dict], sm_count
 
 
 # The keys an NF4 override may hold (`tuning.nf4_tiles`): the wgmma tile, the decode kernels' own plans, and the
-# choice of the pair table (the dot path takes it only where a plan says so, E73e).
-NF4_OVERRIDE_KEYS = ("wgmma", "half2", "mma", "nf4_smem")
+# choice of the pair table and its size (the dot path picks the size that keeps its programs an SM unless a plan
+# pins it, E75).
+NF4_OVERRIDE_KEYS = ("wgmma", "half2", "mma", "nf4_smem", "nf4_table_copies")
 
 
 def _merge_nf4(entries: dict, label: str, m: int, row: dict, shipped: dict | None, was: str) -> str:

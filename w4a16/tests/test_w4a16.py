@@ -540,21 +540,42 @@ def test_static_shared_memory_hook_chains_or_declines(k, monkeypatch):
     assert not allow()
 
 
-def test_dot_takes_the_pair_table_only_where_asked_and_where_it_fits(k, monkeypatch):
-    """The dot path's NF4 lookup: the pair table only with "nf4_smem" true, and only where its static 32 KB fit
-    beside the ring (3 stages of a 256 x 128 tile do not: that launch failed, run 179); int4 never."""
+def test_dot_takes_the_pair_table_that_keeps_its_programs_an_sm(k, monkeypatch):
+    """The dot path's NF4 lookup (E75, run 184): the whole pair table where it leaves the programs an SM as they
+    are, else the half table, else the byte permutes; a plan's "nf4_smem" / "nf4_table_copies" pin it, still only
+    where the table fits (3 stages of a 256 x 128 tile and the whole table do not: that launch failed, run 179);
+    int4 never. The shared memory counted is what sm_90a compiles allocate (x's tile in every stage, the words' in
+    all but one)."""
     launch = k.triton_kernels.launch
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(launch, "_allow_static_shared_memory", lambda: True)
     monkeypatch.setattr(launch, "_shared_memory_per_block", lambda index: 232448)  # the H100 / H200 opt-in limit
+    monkeypatch.setattr(launch, "_shared_memory_per_sm", lambda index: 233472)
     x, codebook = torch.zeros(64, 4096, dtype=torch.float16), torch.zeros(16)
-    small = {"nf4_tables": True, "block_m": 64, "block_n": 64, "num_stages": 3}
-    large = {**small, "block_m": 256, "block_n": 128}
-    assert launch._dot_nf4_table_flags({**small, "nf4_smem": True}, codebook, x)["NF4_SMEM"]
-    assert launch._dot_nf4_table_flags(small, codebook, x) == {}
-    assert launch._dot_nf4_table_flags({**large, "nf4_smem": True}, codebook, x) == {}
-    assert launch._dot_nf4_table_flags({**large, "nf4_smem": True, "num_stages": 2}, codebook, x)["NF4_SMEM"]
-    assert launch._dot_nf4_table_flags({**small, "nf4_smem": True}, None, x) == {}
+
+    def lookup(**plan):
+        flags = launch._dot_nf4_table_flags({"nf4_tables": True, "num_stages": 3, **plan}, codebook, x)
+        return {True: "whole", 16: "half", None: "permutes"}[flags.get("NF4_SMEM")]
+
+    # 57 KB: 3 programs an SM, 2 beside the whole table, 3 beside the half
+    assert lookup(block_m=64, block_n=64, num_warps=4) == "half"
+    # 8 warps: the registers allow 2 programs, and so does the whole table
+    assert lookup(block_m=64, block_n=128, num_warps=8) == "whole"
+    # 4 stages, 90 KB: 2 programs, 1 beside the whole table
+    assert lookup(block_m=64, block_n=128, num_warps=8, num_stages=4) == "half"
+    # 115 KB: 2 programs, 1 beside either table
+    assert lookup(block_m=128, block_n=128, num_warps=8) == "permutes"
+    assert lookup(block_m=64, block_n=64, num_warps=4, nf4_smem=False) == "permutes"
+    assert lookup(block_m=64, block_n=64, num_warps=4, nf4_table_copies=32) == "whole"
+    assert lookup(block_m=128, block_n=128, num_warps=8, nf4_table_copies=16) == "half"
+    large = {"block_m": 256, "block_n": 128, "num_warps": 8}  # 213 KB at 3 stages, 139 KB at 2
+    assert lookup(**large, nf4_table_copies=32) == "permutes"
+    assert lookup(**large) == "half"
+    assert lookup(**large, num_stages=2) == "whole"
+    assert launch._dot_nf4_table_flags({"nf4_tables": True, "block_m": 64, "block_n": 64}, None, x) == {}
+    assert launch._dot_nf4_table_flags({"block_m": 64, "block_n": 64}, codebook, x) == {}  # not NF4's plan
+    with pytest.raises(ValueError, match="nf4_table_copies"):
+        lookup(block_m=64, block_n=64, num_warps=4, nf4_table_copies=8)
 
 
 @pytest.mark.parametrize("per_sm", [0, True, 1.5])

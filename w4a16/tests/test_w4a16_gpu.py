@@ -599,15 +599,17 @@ def test_nf4_dot_vs_float64(k, group_size, dtype, swap_ab, descs, nf4_tables, ha
     # NF4 takes this tile with groups of 64 only: with a scale per whole tile it overflows shared memory even
     # without the table (245808 bytes on the H100, run 181; `tuning._nf4_int4_tiles`)
     ({"block_m": 256, "block_n": 128, "split_k": 1, "num_warps": 8}, 64)], ids=["64x64-g64", "64x64-g128", "256x128-g64"])
-def test_nf4_dot_pair_table_keeps_the_bits(k, group_size, dtype, tile):
+@pytest.mark.parametrize("copies", [32, 16])
+def test_nf4_dot_pair_table_keeps_the_bits(k, group_size, dtype, tile, copies):
     """NF4 on the full-tile dot path from the shared-memory pair table ("nf4_smem") gives the PRMT lookup's bits:
-    the same codebook values, scaled and summed alike; the 256 x 128 tile, where the table does not fit beside the
-    ring, runs the PRMT lookup. M = 37 leaves a partial token tile."""
+    the same codebook values, scaled and summed alike, from the whole table or the half one (16 copies, E75); on
+    the 256 x 128 tile the whole table does not fit beside the ring and the PRMT lookup runs there, the half one
+    does. M = 37 leaves a partial token tile."""
     n, kk, m = 3000, 5120, 37
     qw = k.quantize(_weight(n, kk, dtype, seed=10), group_size=group_size, fmt="nf4")
     x = torch.randn(m, kk, device="cuda", dtype=dtype)
     config = {"kernel": "dot", "swap_ab": True, "num_stages": 3, "full_tile": True, "x_desc": True, "w_desc": True,
-              "nf4_smem": True, **tile}
+              "nf4_smem": True, "nf4_table_copies": copies, **tile}
     _check_launch(k, x, qw, None, config)
     by_table, by_permutes = (k.triton_kernels.matmul(x, qw.qweight, qw.scales, None, qw.codebook, None, n, kk,
                                                      group_size, c) for c in (config, {**config, "nf4_smem": False}))

@@ -235,12 +235,12 @@ def test_emulated_shuffle_reads_other_lanes(k, codebook_bits):
     assert not np.array_equal(regs["out"], bits[_nibble(words, 0)] | bits[_nibble(words, 1)] << np.uint64(16))
 
 
-def _pair_table(k, tables, base):
-    """Shared memory after `_NF4_FILL_ASM` ran for its 2048 elements, as `nf4._nf4_pair_table` runs it: each warp's
-    vector stores cover 512 contiguous bytes."""
-    quarter = np.arange(2048, dtype=np.uint64)
+def _pair_table(k, tables, base, half=False):
+    """Shared memory after `_NF4_FILL_ASM` ran for its 2048 elements (with `half`, `_NF4_HALF_FILL_ASM` for 1024),
+    as `nf4._nf4_pair_table` runs it: each warp's vector stores cover 512 contiguous bytes."""
+    quarter = np.arange(1024 if half else 2048, dtype=np.uint64)
     shared = SharedMemory()
-    text = k.triton_kernels.nf4._NF4_FILL_ASM
+    text = k.triton_kernels.nf4._NF4_HALF_FILL_ASM if half else k.triton_kernels.nf4._NF4_FILL_ASM
     _run_ptx(getattr(text, "value", text), {"$1": quarter, "$2": np.uint64(base) + quarter * np.uint64(16),
                                              **{f"${3 + i}": np.uint64(t) for i, t in enumerate(tables)}}, shared)
     return shared
@@ -313,3 +313,23 @@ def test_dot_table_pairs_hold_nibbles_j_and_j_plus_4(k, codebook_bits):
     regs = _run_ptx(getattr(text, "value", text), {"$4": words, "nf4_pair_table": np.uint64(0x400)}, shared)
     for j in range(4):
         assert np.array_equal(regs[f"${j}"], bits[_nibble(words, j)] | bits[_nibble(words, j + 4)] << np.uint64(16))
+
+
+def test_half_table_gives_the_same_pairs_at_most_two_lanes_a_bank(k, codebook_bits):
+    """The half table (E75: 16 copies of each entry, lane l reading copy l % 16) and the dot path's lookup in it
+    (`_NF4_HALF_TABLE_PAIRS_ASM`) give `_NF4_PAIRS_ASM`'s pairs; within a warp at most two lanes (l, l + 16) read
+    different words of one bank. The table's entries stop at 16 KB."""
+    bits, tables = codebook_bits
+    shared = _pair_table(k, tables, 0x400, half=True)
+    assert not shared.words[(0x400 + 16384) // 4:].any()
+    words = _words(seed=18)
+    text = k.triton_kernels.nf4._NF4_HALF_TABLE_PAIRS_ASM
+    regs = _run_ptx(getattr(text, "value", text), {"$4": words, "nf4_pair_table_16": np.uint64(0x400)}, shared)
+    for j in range(4):
+        assert np.array_equal(regs[f"${j}"], bits[_nibble(words, j)] | bits[_nibble(words, j + 4)] << np.uint64(16))
+    words_read = (shared.last_load // np.uint64(4)).reshape(-1, 32)
+    for warp in words_read:
+        per_bank = {}
+        for word in warp:
+            per_bank.setdefault(int(word) % 32, set()).add(int(word))
+        assert max(len(found) for found in per_bank.values()) <= 2

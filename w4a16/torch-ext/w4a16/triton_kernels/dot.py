@@ -79,8 +79,9 @@ def _dot_kernel(
     paths only).
 
     NF4_TABLES (NF4 on the full-tile path, NVIDIA): the codebook is looked up by byte permutes
-    (`_nf4_tile_in_k_order`) rather than gathered per weight, or with NF4_SMEM (a plan's "nf4_smem", linked
-    through extern_libs) in the shared-memory pair table, filled before the PDL wait; EMULATE runs the same bit
+    (`_nf4_tile_in_k_order`) rather than gathered per weight, or with NF4_SMEM (`launch._dot_nf4_table_flags`, linked
+    through extern_libs) in the shared-memory pair table (NF4_SMEM 16: the half table), filled before the PDL
+    wait; EMULATE runs the same bit
     logic by gathers (the interpreter). NF4_HALF_SCALE (fp16 operands and scales, NVIDIA): groups smaller than a
     tile scale the looked-up pairs by packed fp16 multiplies (`nf4._HMUL2_ASM`) instead of in fp32.
 
@@ -111,7 +112,7 @@ def _dot_kernel(
     first = pid_k * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
     if NF4_TABLES and NF4_SMEM and not EMULATE:  # before the wait: the codebook is not the previous kernel's output
-        _nf4_pair_table(cb_ptr, False)
+        _nf4_pair_table(cb_ptr, False, NF4_SMEM == 16)
     _pdl_wait(PDL)
     zero = 0.0
     if PACKED and not HAS_ZERO:

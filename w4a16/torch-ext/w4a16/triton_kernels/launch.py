@@ -15,7 +15,7 @@ from .common import _splitk_reduce_kernel
 from .dequant import _dequant_kernel
 from .dot import _dot_kernel
 from .gemv import _gemv_h2_kernel, _gemv_kernel, _x_to_fp16_kernel
-from .nf4 import NF4_PAIR_TABLE, NF4_PAIR_TABLE_BYTES
+from .nf4 import NF4_HALF_TABLE_BYTES, NF4_PAIR_TABLE, NF4_PAIR_TABLE_BYTES
 
 
 def _format_flags(zeros, mins, codebook, group_size) -> dict:
@@ -62,6 +62,11 @@ def _reduce_splits(part, bias, out, n, swiglu, pdl: bool = False, late_trigger: 
 @functools.lru_cache(maxsize=None)
 def _shared_memory_per_block(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory_per_sm(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_multiprocessor
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,22 +275,50 @@ def _launch_dot(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, grou
         _reduce_splits(target, bias, out, n, plan.get("swiglu", False), pdl, late_trigger=True)
 
 
+# Programs an SM the dot kernel's registers allow, times its warps: its tiles take 95-118 registers a thread on
+# sm_90a (run 184), so at most 128, 16 warps' worth of a 64K register file
+_DOT_REGISTER_WARPS = 16
+
+
 def _dot_nf4_table_flags(plan: dict, codebook, x) -> dict:
-    """The dot path's NF4 from the pair table only where a plan asks for it ("nf4_smem": true; E73e, run 179 on
-    the H200: 1.08-1.17x on 64 x 128 tiles of 8 warps at M = 64, 0.67-0.98x on 64 x 64 tiles of 4, whose third
-    program an SM the static 32 KB evicts) and only where it fits beside the pipeliner's buffers (x's and the
-    words' tiles a stage: a 256 x 128 tile of 3 stages does not, and failed to launch), else the byte permutes."""
-    if not plan.get("nf4_tables") or not plan.get("nf4_smem", False):
+    """The dot path's NF4 lookup: the larger shared-memory pair table (32 KB, then E75's 16 KB half table) that
+    leaves as many programs an SM as the kernel has without it, else the byte permutes. On the H100 (run 184, NF4
+    g64 at M = 64, 14 shapes) the whole table cut 64 x 64 tiles of 4 warps from 3 programs an SM to 2 and lost
+    0.66-0.99x, where the half table kept 3 and won 1.03-1.14x on 5 of 8 (a tie on one, 5 % slower on the two
+    short-K Qwen2.5-1.5B ones); on 8-warp tiles (2 programs, register bound) the whole table won 1.08-1.16x, 2-5 %
+    past the half; at 4 stages it cut them to 1 (0.84x) and the half table won (1.14x). The rule picks the best of
+    the three on 11 of 14, 1.07x the byte permutes in geomean. A plan may pin the lookup: "nf4_smem": false (byte permutes), "nf4_table_copies": 16 / 32
+    (that table where it fits beside the pipeliner's buffers at all: a 256 x 128 tile of 3 stages does not, and
+    failed to launch, run 179)."""
+    copies = plan.get("nf4_table_copies")
+    if copies not in (None, 16, 32):
+        raise ValueError(f"config: nf4_table_copies (copies of each pair-table entry) must be 16 or 32; got {copies!r}")
+    if not plan.get("nf4_tables") or not _nf4_table_flags(plan, codebook):
         return {}
-    stage = plan["block_m"] * 128 * x.element_size() + plan["block_n"] * WORDS_PER_TILE * 4
-    return _nf4_table_beside(plan, codebook, plan.get("num_stages", 2) * stage, x.device.index)
+    # the pipeliner's buffers (sm_90a compiles of 16 x 64 to 256 x 128 tiles, 2-4 stages, TMA or pointer loads):
+    # x's tile in every stage, the words' in all but one, and up to 64 bytes of barriers
+    stages = plan.get("num_stages", 2)
+    used = stages * plan["block_m"] * 128 * x.element_size() + (stages - 1) * plan["block_n"] * WORDS_PER_TILE * 4 + 64
+    tables = (NF4_PAIR_TABLE_BYTES, NF4_HALF_TABLE_BYTES)
+    if copies is None:
+        per_sm = _shared_memory_per_sm(x.device.index)
+        cap = max(1, _DOT_REGISTER_WARPS // plan.get("num_warps", 4))
+        programs = min(cap, per_sm // (used + 1024))
+        tables = [table for table in tables if min(cap, per_sm // (used + table + 1024)) >= programs]
+    else:
+        tables = [NF4_HALF_TABLE_BYTES if copies == 16 else NF4_PAIR_TABLE_BYTES]
+    for table in tables:
+        flags = _nf4_table_beside(plan, codebook, used, x.device.index, table)
+        if flags:
+            return {**flags, "NF4_SMEM": 16} if table == NF4_HALF_TABLE_BYTES else flags
+    return {}
 
 
-def _nf4_table_beside(plan: dict, codebook, used: int, device_index) -> dict:
-    """`_nf4_table_flags` where the table's static 32 KB fit beside `used` bytes of a kernel's own shared memory
-    (less 1 KB of slack for barriers) on this device, else none (the byte permutes)."""
+def _nf4_table_beside(plan: dict, codebook, used: int, device_index, table: int = NF4_PAIR_TABLE_BYTES) -> dict:
+    """`_nf4_table_flags` where the table's static `table` bytes fit beside `used` bytes of a kernel's own shared
+    memory (less 1 KB of slack for barriers) on this device, else none (the byte permutes)."""
     flags = _nf4_table_flags(plan, codebook)
-    if flags and used + NF4_PAIR_TABLE_BYTES > _shared_memory_per_block(device_index) - 1024:
+    if flags and used + table > _shared_memory_per_block(device_index) - 1024:
         return {}
     return flags
 

@@ -129,7 +129,7 @@ def _nf4_cb_bits(cb_ptr, code):
 def _nf4_pairs(w, tables, cb_ptr, EMULATE: tl.constexpr, SMEM: tl.constexpr = False):
     """The 4 int32 fp16 pairs (planes J, J + 4) of a word tile (see `_NF4_PAIRS_ASM`), from tables of the
     codebook itself (`_nf4_tables(cb_ptr, False)`), or with SMEM from the filled pair table
-    (`_NF4_TABLE_PAIRS_ASM`); EMULATE computes the same bits by gathers (the interpreter has no PTX)."""
+    (`_NF4_TABLE_PAIRS_ASM`; SMEM 16: the half table); EMULATE computes the same bits by gathers (the interpreter has no PTX)."""
     if EMULATE:
         q0 = _nf4_cb_bits(cb_ptr, w & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 16) & 0xF) << 16)
         q1 = _nf4_cb_bits(cb_ptr, (w >> 4) & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 20) & 0xF) << 16)
@@ -137,8 +137,9 @@ def _nf4_pairs(w, tables, cb_ptr, EMULATE: tl.constexpr, SMEM: tl.constexpr = Fa
         q3 = _nf4_cb_bits(cb_ptr, (w >> 12) & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 28) & 0xF) << 16)
         return q0, q1, q2, q3
     elif SMEM:
-        return tl.inline_asm_elementwise(_NF4_TABLE_PAIRS_ASM, "=r,=r,=r,=r,r", [w],
-                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        text: tl.constexpr = _NF4_HALF_TABLE_PAIRS_ASM if SMEM == 16 else _NF4_TABLE_PAIRS_ASM
+        return tl.inline_asm_elementwise(text, "=r,=r,=r,=r,r", [w], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
     else:
         l0, l1, l2, l3, h0, h1, h2, h3 = tables
         return tl.inline_asm_elementwise(
@@ -204,6 +205,10 @@ def _nf4_tile_in_k_order(w, tables, cb_ptr, tile, rows, s_ptr, stride_sg, group_
 # table's base folds into the LDS.
 NF4_PAIR_TABLE = tl.constexpr(str(Path(__file__).with_name("nf4_table.ll")))
 NF4_PAIR_TABLE_BYTES = 256 * 32 * 4  # its static shared memory (a launch that sizes its own buffers subtracts it)
+# E75: a half table, 16 copies of each entry (lane l reads copy l & 15), for the dot path, whose third program an
+# SM the 32 KB evicted (E73e). Lanes l and l + 16 then share a bank where their bytes differ in entry but not in
+# parity: ~1.5 wavefronts a warp's lookup on random bytes, against 1.
+NF4_HALF_TABLE_BYTES = 256 * 16 * 4
 
 
 @tl.core.extern
@@ -214,25 +219,45 @@ def _nf4_pair_table_base(unused, _semantic=None):
                                       is_pure=True, _semantic=_semantic)
 
 
-# The fill, one 16-byte quarter-row of the table an element: element i stores entry i >> 3's pair (looked up in the
-# PRMT tables at $3-$10 by the nibbles of i >> 3) 4 times at $2. Consecutive lanes take consecutive elements, so a
-# warp's vector store covers 512 contiguous bytes: 4 wavefronts, no bank conflict (an entry a thread, 8 stores of
-# 16 bytes each, put a warp's 32 stores in the same 4 banks: 32-way conflicts, 8x the fill's time).
-_NF4_FILL_ASM = tl.constexpr("{\n.reg .b32 e, s, x, la, lb, ha, hb, lo, hi, p;\nshr.b32 e, $1, 3;\n"
-                             + nf4_lookup_asm("e", 3)
-                             + "prmt.b32 p, lo, hi, 0x5140;\nst.shared.v4.b32 [$2], {p, p, p, p};\nmov.b32 $0, 0;\n}")
+@tl.core.extern
+def _nf4_half_table_base(unused, _semantic=None):
+    """The shared address of the half table (16 copies an entry, `nf4_table.ll`'s `nf4_pair_table_16`)."""
+    return tl.core.extern_elementwise("nf4_table", "", [unused],
+                                      {(tl.core.dtype("int32"),): ("nf4_pair_table_16_base", tl.core.dtype("int32"))},
+                                      is_pure=True, _semantic=_semantic)
+
+
+def _nf4_fill_asm(copies: int) -> str:
+    """The fill, one 16-byte quarter-row of the table an element: element i stores entry i // (copies / 4)'s pair
+    (looked up in the PRMT tables at $3-$10 by the entry's nibbles) 4 times at $2. Consecutive lanes take
+    consecutive elements, so a warp's vector store covers 512 contiguous bytes: 4 wavefronts, no bank conflict (an
+    entry a thread, 8 stores of 16 bytes each, put a warp's 32 stores in the same 4 banks: 32-way conflicts, 8x the
+    fill's time)."""
+    return ("{\n.reg .b32 e, s, x, la, lb, ha, hb, lo, hi, p;\n"
+            f"shr.b32 e, $1, {(copies // 4).bit_length() - 1};\n" + nf4_lookup_asm("e", 3)
+            + "prmt.b32 p, lo, hi, 0x5140;\nst.shared.v4.b32 [$2], {p, p, p, p};\nmov.b32 $0, 0;\n}")
+
+
+_NF4_FILL_ASM = tl.constexpr(_nf4_fill_asm(32))
+_NF4_HALF_FILL_ASM = tl.constexpr(_nf4_fill_asm(16))
 
 
 @triton.jit
-def _nf4_pair_table(cb_ptr, SIXTEENTH: tl.constexpr):
-    """Fills the pair table from the codebook (/ 16 when SIXTEENTH, as `_nf4_tables`) and returns its base
-    address. Every thread of the program calls it (it ends on a barrier); the codebook is a constant, so this may
-    run before a dependent launch's wait."""
-    base = _nf4_pair_table_base(0)
+def _nf4_pair_table(cb_ptr, SIXTEENTH: tl.constexpr, HALF: tl.constexpr = False):
+    """Fills the pair table (with HALF the half table) from the codebook (/ 16 when SIXTEENTH, as `_nf4_tables`)
+    and returns its base address. Every thread of the program calls it (it ends on a barrier); the codebook is a
+    constant, so this may run before a dependent launch's wait."""
     t0, t1, t2, t3, t4, t5, t6, t7 = _nf4_tables(cb_ptr, SIXTEENTH)
-    quarter = tl.arange(0, 2048)  # 256 entries x 8 quarter-rows of 16 bytes
+    if HALF:
+        base = _nf4_half_table_base(0)
+        quarter = tl.arange(0, 1024)  # 256 entries x 4 quarter-rows of 16 bytes
+        text: tl.constexpr = _NF4_HALF_FILL_ASM
+    else:
+        base = _nf4_pair_table_base(0)
+        quarter = tl.arange(0, 2048)  # 256 entries x 8 quarter-rows of 16 bytes
+        text: tl.constexpr = _NF4_FILL_ASM
     tables = [tl.broadcast_to(t, quarter.shape) for t in (t0, t1, t2, t3, t4, t5, t6, t7)]
-    tl.inline_asm_elementwise(_NF4_FILL_ASM, "=r,r,r,r,r,r,r,r,r,r,r", [quarter, base + quarter * 16] + tables,
+    tl.inline_asm_elementwise(text, "=r,r,r,r,r,r,r,r,r,r,r", [quarter, base + quarter * 16] + tables,
                               dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
     return base
@@ -249,24 +274,34 @@ def _nf4_lane_offsets(base, shape):
                                      is_pure=True, pack=1)
 
 
-def nf4_pair_table_asm(word: str, byte: int, lane: str, base: str, out: str) -> str:
+def nf4_pair_table_asm(word: str, byte: int, lane: str, base: str, out: str, copies: int = 32) -> str:
     """PTX: `out` = the pair table's entry for byte `byte` of register `word` (its fp16 pair of nibbles 2 byte,
-    2 byte + 1), `lane` holding 4 x the lane and `base` the table's address; needs a .b32 register a."""
-    shift = f"shl.b32 a, {word}, 7;" if byte == 0 else f"shr.b32 a, {word}, {8 * byte - 7};"
-    return f"{shift}\nlop3.b32 a, a, 0x7F80, {lane}, 0xEA;\nadd.u32 a, a, {base};\nld.shared.b32 {out}, [a];\n"
+    2 byte + 1), `lane` holding 4 x the lane's copy (the lane; with 16 copies the lane mod 16) and `base` the
+    table's address; needs a .b32 register a."""
+    row = (4 * copies).bit_length() - 1  # log2 of an entry's bytes
+    shift = f"shl.b32 a, {word}, {row};" if byte == 0 else f"shr.b32 a, {word}, {8 * byte - row};"
+    return (f"{shift}\nlop3.b32 a, a, {0xFF << row:#x}, {lane}, 0xEA;\nadd.u32 a, a, {base};\n"
+            f"ld.shared.b32 {out}, [a];\n")
 
 
 # The tensor-core kernels' lookups read 4 x the lane (into l) and the table's address (into t: `nf4_pair_table`,
 # the symbol `nf4_table.ll` links in) in the PTX itself: as operands they came from a broadcast that Triton could
 # not put in the tensor-core operand's layout (a layout conversion through shared memory, E73e). ptxas makes them
-# once a thread. Needs .b32 registers l, t.
-NF4_TABLE_ADDRESS_PTX = "mov.u32 l, %laneid;\nshl.b32 l, l, 2;\nmov.u32 t, nf4_pair_table;\n"
+# once a thread. Needs .b32 registers l, t. With 16 copies (the half table) l is 4 x the lane mod 16.
+def nf4_table_address_ptx(copies: int = 32) -> str:
+    lane = "and.b32 l, l, 15;\n" if copies == 16 else ""
+    symbol = "nf4_pair_table_16" if copies == 16 else "nf4_pair_table"
+    return f"mov.u32 l, %laneid;\n{lane}shl.b32 l, l, 2;\nmov.u32 t, {symbol};\n"
 
 # `_NF4_PAIRS_ASM`'s pairs (J, J + 4) from the shared-memory pair table: bytes 0-3 give the pairs of nibbles
 # (0, 1), (2, 3), (4, 5), (6, 7), and 4 PRMT take their halves: 4 LDS, 8 shift / LOP3 and 4 PRMT per 8 weights
-# (the byte permutes: 24). Operands: $0-$3 the pairs, $4 the word (lane and address: `NF4_TABLE_ADDRESS_PTX`).
-_NF4_TABLE_PAIRS_ASM = tl.constexpr(
-    "{\n.reg .b32 a, l, t, b0, b1, b2, b3;\n" + NF4_TABLE_ADDRESS_PTX
-    + "".join(nf4_pair_table_asm("$4", byte, "l", "t", f"b{byte}") for byte in range(4))
-    + "prmt.b32 $0, b0, b2, 0x5410;\nprmt.b32 $1, b0, b2, 0x7632;\n"
-    + "prmt.b32 $2, b1, b3, 0x5410;\nprmt.b32 $3, b1, b3, 0x7632;\n}")
+# (the byte permutes: 24). Operands: $0-$3 the pairs, $4 the word (lane and address: `nf4_table_address_ptx`).
+def _nf4_table_pairs_asm(copies: int) -> str:
+    return ("{\n.reg .b32 a, l, t, b0, b1, b2, b3;\n" + nf4_table_address_ptx(copies)
+            + "".join(nf4_pair_table_asm("$4", byte, "l", "t", f"b{byte}", copies) for byte in range(4))
+            + "prmt.b32 $0, b0, b2, 0x5410;\nprmt.b32 $1, b0, b2, 0x7632;\n"
+            + "prmt.b32 $2, b1, b3, 0x5410;\nprmt.b32 $3, b1, b3, 0x7632;\n}")
+
+
+_NF4_TABLE_PAIRS_ASM = tl.constexpr(_nf4_table_pairs_asm(32))
+_NF4_HALF_TABLE_PAIRS_ASM = tl.constexpr(_nf4_table_pairs_asm(16))

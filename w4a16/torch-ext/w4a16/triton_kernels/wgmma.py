@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .mma import _nf4_pair_table_fill, _nf4_tables
-from .nf4 import NF4_TABLE_ADDRESS_PTX, nf4_lookup_asm, nf4_pair_table_asm
+from .nf4 import nf4_lookup_asm, nf4_pair_table_asm, nf4_table_address_ptx
 from .wgmma_chunks import _chain_step, _group_params, _group_stored, _opaque_zeros
 
 
@@ -113,9 +113,9 @@ def _nf4_chunk_pairs_ptx(byte: int, smem: bool) -> list[str]:
     codebook's fp16 tables at $4, $6, ..., $18 (`nf4`; an int32 input of a pack-2 asm takes an operand per
     element) and paired per chunk (PRMT). With `smem`, from the shared-memory pair table (`nf4.nf4_pair_table_asm`,
     filled by `mma._nf4_pair_table_fill`): byte `byte` of each word is the pair (x_j, x_j+1), and 2 PRMT regroup
-    them; the lane and the table's address are read in the PTX (`nf4.NF4_TABLE_ADDRESS_PTX`)."""
+    them; the lane and the table's address are read in the PTX (`nf4.nf4_table_address_ptx`)."""
     if smem:
-        return [".reg .b32 a, l, t, pa, pb, p, q;", NF4_TABLE_ADDRESS_PTX.rstrip("\n"),
+        return [".reg .b32 a, l, t, pa, pb, p, q;", nf4_table_address_ptx().rstrip("\n"),
                 nf4_pair_table_asm("$2", byte, "l", "t", "pa").rstrip("\n"),
                 nf4_pair_table_asm("$3", byte, "l", "t", "pb").rstrip("\n"),
                 "prmt.b32 p, pa, pb, 0x5410;", "prmt.b32 q, pa, pb, 0x7632;"]
