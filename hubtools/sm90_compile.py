@@ -13,6 +13,7 @@ error."""
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import os
@@ -46,11 +47,11 @@ class _CompileOnlyDriver:
         return True
 
 
-def _resources(cubin: bytes) -> dict:
+def _resources(cubin: bytes, loops: bool = False) -> dict:
     """Registers and stack bytes a thread (spills) of a cubin, and its waits for all of a warpgroup's wgmma
     (``WARPGROUP.DEPBAR.LE gsb0, 0x0``: where ptxas serialized the wgmma pipeline there is one after every wgmma),
     by Triton's own `cuobjdump`: a compiled kernel's `n_regs` / `n_spills` are read only when it is loaded onto a
-    device."""
+    device. With `loops`, also each loop's opcode counts (`loop_opcodes`)."""
     import triton
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -61,13 +62,31 @@ def _resources(cubin: bytes) -> dict:
                                check=True).stdout
         sass = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    return {"registers": int(found[1]), "stack": int(found[2]),
-            "wgmma": sass.count("HGMMA."), "wgmma_full_waits": sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")}
+    resources = {"registers": int(found[1]), "stack": int(found[2]), "wgmma": sass.count("HGMMA."),
+                 "wgmma_full_waits": sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")}
+    if loops:
+        resources["loops"] = [dict(counts) for counts in loop_opcodes(sass)]
+    return resources
 
 
-def start() -> list:
+def loop_opcodes(sass: str) -> list[collections.Counter]:
+    """The opcode counts (with their modifiers, predicates dropped) of each loop in a kernel's SASS: a conditional
+    backward branch over more than a wait. The mbarrier tests' spins (a TRYWAIT and its branch) and their
+    out-of-line retries (unconditional branches back) are not loops."""
+    code = [(int(address, 16), text.strip()) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    found = []
+    for address, text in code:
+        branch = re.match(r"@!?U?P\w+\s+BRA\s+(0x[0-9a-f]+)", text)
+        if branch and int(branch[1], 16) < address:
+            body = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in code if int(branch[1], 16) <= a <= address]
+            if len(body) > 2:
+                found.append(collections.Counter(body))
+    return found
+
+
+def start(loops: bool = False) -> list:
     """Make this process compile for sm_90a without launching; returns the list each compiled kernel's entry is
-    appended to."""
+    appended to (with `loops`, each entry also holds its loops' opcode counts)."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -77,7 +96,8 @@ def start() -> list:
 
     def warmup(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append({"kernel": self.__name__, "shared": kernel.metadata.shared, **_resources(kernel.asm["cubin"])})
+        compiled.append({"kernel": self.__name__, "shared": kernel.metadata.shared,
+                         **_resources(kernel.asm["cubin"], loops)})
         return kernel
 
     JITFunction.run = warmup

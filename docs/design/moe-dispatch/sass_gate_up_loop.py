@@ -5,20 +5,12 @@ machine without a GPU (`hubtools.sm90_compile`), as an opcode histogram per loop
     PYTHONPATH=. /tmp/t36/bin/python docs/design/moe-dispatch/sass_gate_up_loop.py /tmp/bcpu/moe-dispatch [bfloat16]
 
 (a Python whose Triton is the kernels' release, 3.6). Mixtral-8x7B expert shapes, int4 g128 symmetric, T = 1, the
-packed plan of `configs.default_config` (16 rows x 8 tiles, 2 warps, 3-stage TMA ring, x broadcast). A loop is a
-conditional backward branch over more than a wait: the mbarrier tests' spins (a TRYWAIT and its branch) and their
-out-of-line retries (unconditional branches back) are not counted."""
+packed plan of `configs.default_config` (16 rows x 8 tiles, 2 warps, 3-stage TMA ring, x broadcast); loops as
+`hubtools.sm90_compile.loop_opcodes` finds them."""
 
-import collections
-import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
-import triton
-from triton.runtime.jit import JITFunction
 
 from hubtools.sm90_compile import import_build, start
 
@@ -27,30 +19,8 @@ PLAN = {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 8, "num_warps": 2, "num_stages":
         "PDL": True}
 
 
-def loops(sass: str) -> list[list[str]]:
-    """Each loop's instructions (opcodes with their modifiers, predicates dropped)."""
-    code = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    found = []
-    for i, (address, text) in enumerate(code):
-        branch = re.match(r"@!?U?P\w+\s+BRA\s+(0x[0-9a-f]+)", text)
-        if branch and int(branch[1], 16) < address:
-            body = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in code if int(branch[1], 16) <= a <= address]
-            if len(body) > 2:
-                found.append(body)
-    return found
-
-
 def main(build: str, dtype: str = "bfloat16") -> None:
-    start()
-    cubins = {}
-    run = JITFunction.run
-
-    def keep(self, *args, grid, warmup, **kwargs):
-        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        cubins[self.__name__] = kernel.asm["cubin"]
-        return kernel
-
-    JITFunction.run = keep
+    compiled = start(loops=True)
     package = import_build(build, "moe_dispatch")
     launch = package.triton_kernels.launch
     launch._pdl_device = lambda device: True  # the CPU tensors' device stands in for an sm_90 GPU
@@ -64,15 +34,10 @@ def main(build: str, dtype: str = "bfloat16") -> None:
     x = torch.randn(T, H, dtype=getattr(torch, dtype))
     launch._gemvs(x, experts(2 * I, H), experts(H, I), torch.rand(T, TOP_K), torch.zeros(T, TOP_K, dtype=torch.int32),
                   PLAN, PLAN, torch.empty(T, H, dtype=x.dtype))
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    for name, cubin in cubins.items():
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(cubin)
-            f.flush()
-            sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        for body in loops(sass):
-            print(f"{name}: loop of {len(body)} instructions")
-            for op, count in collections.Counter(body).most_common(16):
+    for kernel in compiled:
+        for counts in kernel["loops"]:
+            print(f"{kernel['kernel']}: loop of {sum(counts.values())} instructions, {kernel['registers']} registers")
+            for op, count in sorted(counts.items(), key=lambda item: -item[1])[:16]:
                 print(f"  {count:5d} {op}")
 
 
