@@ -293,7 +293,8 @@ def _dot_nf4_table_flags(plan: dict, codebook, x) -> dict:
     copies = plan.get("nf4_table_copies")
     if copies not in (None, 16, 32):
         raise ValueError(f"config: nf4_table_copies (copies of each pair-table entry) must be 16 or 32; got {copies!r}")
-    if not plan.get("nf4_tables") or not _nf4_table_flags(plan, codebook):
+    flags = _nf4_table_flags(plan, codebook)
+    if not plan.get("nf4_tables") or not flags:
         return {}
     # the pipeliner's buffers (sm_90a compiles of 16 x 64 to 256 x 128 tiles, 2-4 stages, TMA or pointer loads):
     # x's tile in every stage, the words' in all but one, and up to 64 bytes of barriers
@@ -308,19 +309,22 @@ def _dot_nf4_table_flags(plan: dict, codebook, x) -> dict:
     else:
         tables = [NF4_HALF_TABLE_BYTES if copies == 16 else NF4_PAIR_TABLE_BYTES]
     for table in tables:
-        flags = _nf4_table_beside(plan, codebook, used, x.device.index, table)
-        if flags:
+        if _fits_beside(used, table, x.device.index):
             return {**flags, "NF4_SMEM": 16} if table == NF4_HALF_TABLE_BYTES else flags
     return {}
 
 
-def _nf4_table_beside(plan: dict, codebook, used: int, device_index, table: int = NF4_PAIR_TABLE_BYTES) -> dict:
-    """`_nf4_table_flags` where the table's static `table` bytes fit beside `used` bytes of a kernel's own shared
-    memory (less 1 KB of slack for barriers) on this device, else none (the byte permutes)."""
+def _fits_beside(used: int, table: int, device_index) -> bool:
+    """Whether a table's static `table` bytes fit beside `used` bytes of a kernel's own shared memory (less 1 KB
+    of slack for barriers) on this device."""
+    return used + table <= _shared_memory_per_block(device_index) - 1024
+
+
+def _nf4_table_beside(plan: dict, codebook, used: int, device_index) -> dict:
+    """`_nf4_table_flags` where the whole table fits beside `used` bytes of a kernel's own shared memory, else
+    none (the byte permutes)."""
     flags = _nf4_table_flags(plan, codebook)
-    if flags and used + table > _shared_memory_per_block(device_index) - 1024:
-        return {}
-    return flags
+    return flags if flags and _fits_beside(used, NF4_PAIR_TABLE_BYTES, device_index) else {}
 
 
 def _launch_wgmma(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
