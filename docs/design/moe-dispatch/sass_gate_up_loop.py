@@ -28,8 +28,9 @@ def main(build: str, dtype: str = "bfloat16") -> None:
 
     def experts(n, k, group=128):
         return package.quantized.QuantizedExperts(
-            qweight=torch.zeros(E, n, k // 8, dtype=torch.int32), scales=torch.ones(E, k // group, n, dtype=torch.float16),
-            zeros=None, mins=None, group_size=group, shape=(n, k))
+            qweight=torch.zeros(E, n, k // 8, dtype=torch.int32),
+            scales=torch.ones(E, k // group, n, dtype=torch.float16), zeros=None, mins=None, group_size=group,
+            shape=(n, k))
 
     x = torch.randn(T, H, dtype=getattr(torch, dtype))
     launch._gemvs(x, experts(2 * I, H), experts(H, I), torch.rand(T, TOP_K), torch.zeros(T, TOP_K, dtype=torch.int32),

@@ -16,7 +16,8 @@ import torch
 from hubtools.sm90_compile import import_build, start
 
 N = K = 8192
-SHOWN = ("HFMA2", "HFMA2.BF16_V2", "HMMA.16816.F32", "HMMA.16816.F32.BF16", "LOP3.LUT", "PRMT", "FFMA", "FMUL", "FADD", "IMAD.MOV.U32")
+SHOWN = ("HFMA2", "HFMA2.BF16_V2", "HMMA.16816.F32", "HMMA.16816.F32.BF16", "LOP3.LUT", "PRMT", "FFMA", "FMUL",
+         "FADD", "IMAD.MOV.U32")
 
 
 def main(build: str, extra: str = "{}") -> None:

@@ -287,14 +287,14 @@ def _dot_nf4_table_flags(plan: dict, codebook, x) -> dict:
     0.66-0.99x, where the half table kept 3 and won 1.03-1.14x on 5 of 8 (a tie on one, 5 % slower on the two
     short-K Qwen2.5-1.5B ones); on 8-warp tiles (2 programs, register bound) the whole table won 1.08-1.16x, 2-5 %
     past the half; at 4 stages it cut them to 1 (0.84x) and the half table won (1.14x). The rule picks the best of
-    the three on 11 of 14, 1.07x the byte permutes in geomean. A plan may pin the lookup: "nf4_smem": false (byte permutes), "nf4_table_copies": 16 / 32
-    (that table where it fits beside the pipeliner's buffers at all: a 256 x 128 tile of 3 stages does not, and
-    failed to launch, run 179)."""
+    the three on 11 of 14, 1.07x the byte permutes in geomean. A plan may pin the lookup: "nf4_smem": false (byte
+    permutes), "nf4_table_copies": 16 / 32 (that table where it fits beside the pipeliner's buffers at all: a
+    256 x 128 tile of 3 stages does not, and failed to launch, run 179)."""
     copies = plan.get("nf4_table_copies")
     if copies not in (None, 16, 32):
         raise ValueError(f"config: nf4_table_copies (copies of each pair-table entry) must be 16 or 32; got {copies!r}")
-    flags = _nf4_table_flags(plan, codebook)
-    if not plan.get("nf4_tables") or not flags:
+    flags = _nf4_table_flags(plan, codebook) if plan.get("nf4_tables") else {}
+    if not flags:
         return {}
     # the pipeliner's buffers (sm_90a compiles of 16 x 64 to 256 x 128 tiles, 2-4 stages, TMA or pointer loads):
     # x's tile in every stage, the words' in all but one, and up to 64 bytes of barriers
@@ -304,8 +304,11 @@ def _dot_nf4_table_flags(plan: dict, codebook, x) -> dict:
     if copies is None:
         per_sm = _shared_memory_per_sm(x.device.index)
         cap = max(1, _DOT_REGISTER_WARPS // plan.get("num_warps", 4))
-        programs = min(cap, per_sm // (used + 1024))
-        tables = [table for table in tables if min(cap, per_sm // (used + table + 1024)) >= programs]
+
+        def programs(table: int) -> int:  # an SM's programs beside `table` bytes, 1 KB of slack each
+            return min(cap, per_sm // (used + table + 1024))
+
+        tables = [table for table in tables if programs(table) >= programs(0)]
     else:
         tables = [NF4_HALF_TABLE_BYTES if copies == 16 else NF4_PAIR_TABLE_BYTES]
     for table in tables:

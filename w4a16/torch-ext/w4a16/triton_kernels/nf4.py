@@ -129,7 +129,8 @@ def _nf4_cb_bits(cb_ptr, code):
 def _nf4_pairs(w, tables, cb_ptr, EMULATE: tl.constexpr, SMEM: tl.constexpr = False):
     """The 4 int32 fp16 pairs (planes J, J + 4) of a word tile (see `_NF4_PAIRS_ASM`), from tables of the
     codebook itself (`_nf4_tables(cb_ptr, False)`), or with SMEM from the filled pair table
-    (`_NF4_TABLE_PAIRS_ASM`; SMEM 16: the half table); EMULATE computes the same bits by gathers (the interpreter has no PTX)."""
+    (`_NF4_TABLE_PAIRS_ASM`; SMEM 16: the half table); EMULATE computes the same bits by gathers (the interpreter
+    has no PTX)."""
     if EMULATE:
         q0 = _nf4_cb_bits(cb_ptr, w & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 16) & 0xF) << 16)
         q1 = _nf4_cb_bits(cb_ptr, (w >> 4) & 0xF) | (_nf4_cb_bits(cb_ptr, (w >> 20) & 0xF) << 16)
