@@ -1,8 +1,9 @@
 """moe-dispatch's sm_90a compile cases (`hubtools.sm90_compile`): `python moe_dispatch_sm90_compile.py BUILD CASES`,
 CASES a JSON list of ``[fmt, group_size, dtype, block_m, num_stages]`` (fmt: ``"int4"``, ``"zp"`` or ``"mins"``;
 dtype: ``"float16"`` or ``"bfloat16"``), each run through the grouped Gluon launcher (`launch._grouped_wgmma`:
-the row gather, then the gate / up and the down kernel) on Qwen3-30B-A3B's expert shapes. Run by
-`test_moe_dispatch_sm90_compile.py`."""
+the row gather, then the gate / up and the down kernel) on Qwen3-30B-A3B's expert shapes, or of
+``["mma", fmt, group_size, dtype, plan]``, run through the tensor-core gate/up GEMV's (`launch._gate_up_mma`) at
+one token. Run by `test_moe_dispatch_sm90_compile.py`."""
 
 from __future__ import annotations
 
@@ -30,7 +31,15 @@ def main(build: str, cases: str) -> None:
     compiled = start()
     package = import_build(build, "moe_dispatch")
     launch = package.triton_kernels.launch
-    for fmt, group_size, dtype, block_m, stages in json.loads(cases):
+    for case in json.loads(cases):
+        if case[0] == "mma":
+            _, fmt, group_size, dtype, plan = case
+            w_gate_up = _experts(package.quantized, fmt, group_size, 2 * I, H)
+            x = torch.randn(1, H, dtype=getattr(torch, dtype))
+            report(compiled, lambda: launch._gate_up_mma(x, w_gate_up, torch.empty(TOP_K, I), torch.zeros(
+                1, TOP_K, dtype=torch.int32), plan, False))
+            continue
+        fmt, group_size, dtype, block_m, stages = case
         w_gate_up = _experts(package.quantized, fmt, group_size, 2 * I, H)
         w_down = _experts(package.quantized, fmt, group_size, H, I)
         x = torch.randn(T, H, dtype=getattr(torch, dtype))

@@ -157,11 +157,11 @@ def test_format_matches_w4a16(k, w4a16, monkeypatch, name, fmt, zero_point, grou
         assert torch.equal(k.dequantize(qe), ours.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("module", ["warp_specialize.py", "wgmma_chunks.py"])
+@pytest.mark.parametrize("module", ["mma_gemv.py", "warp_specialize.py", "wgmma_chunks.py"])
 def test_gluon_modules_are_w4a16s(k, w4a16, module):
-    """What moe-dispatch's Gluon kernel shares with w4a16's (the PTX edit it compiles under, the chains' int4
-    operand) is w4a16's module byte for byte, as built: each standalone package carries it, and one may not drift
-    from the other."""
+    """What moe-dispatch's Gluon kernels share with w4a16's (the PTX edit the grouped kernel compiles under, its
+    chains' int4 operand, the tensor-core GEMV's K loop) is w4a16's module byte for byte, as built: each standalone
+    package carries it, and one may not drift from the other."""
     ours = Path(k.ops.triton_kernels.__file__).with_name(module)
     theirs = Path(w4a16.triton_kernels.__file__).with_name(module)
     assert ours.read_bytes() == theirs.read_bytes()
@@ -226,6 +226,21 @@ CASES = [
     ("int4-min-g32", 17, 4, 3, "skewed", torch.float32),
     ("int4-zp-channel", 21, 4, 2, "empty", torch.float16),
 ]
+
+
+def test_mma_gate_up_refused_where_it_cannot_run(k):
+    """A config asking for the tensor-core gate/up GEMV ("MMA") where it cannot run (here: the interpreter, CPU
+    tensors) is a ValueError naming the key, not the packed GEMV's answer under its name."""
+    q_gate_up, q_down = quantized_experts(k, 4, 256, 128, "int4", False, 128, torch.bfloat16)
+    x = torch.randn(1, 256).bfloat16()
+    weights, ids = routing("balanced", 1, 4, 2)
+    plan = {"BLOCK_N": 16, "BLOCK_K": 128, "TILES": 2, "num_warps": 2, "num_stages": 1}
+    with pytest.raises(ValueError, match="MMA"):
+        k.ops.triton_kernels.experts(x, q_gate_up, q_down, weights, ids, torch.empty_like(x),
+                                     config={"GEMV": True, "gate_up": {**plan, "MMA": True}, "down": plan})
+    with pytest.raises(ValueError, match="MMA"):
+        k.ops.triton_kernels.experts(x, q_gate_up, q_down, weights, ids, torch.empty_like(x),
+                                     config={"GEMV": True, "gate_up": {**plan, "MMA": "yes"}, "down": plan})
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-T{c[1]}-{c[4]}-{str(c[5])[6:]}" for c in CASES])

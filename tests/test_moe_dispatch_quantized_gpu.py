@@ -175,6 +175,74 @@ def test_decode_overlap_bit_equal(k, variant, name, dtype, T):
     assert rel_error(out, ref) <= TOL
 
 
+MMA_PLANS = {  # the tensor-core gate/up GEMV's plans (`launch._gate_up_mma`): warps, K-tiles an iteration, ring
+    "w4-t4-s2": {"MMA": True, "num_warps": 4, "TILES": 4, "num_stages": 2},
+    "w2-t8-s3": {"MMA": True, "num_warps": 2, "TILES": 8, "num_stages": 3, "PDL": True},
+    "w1-t2-s4-start": {"MMA": True, "num_warps": 1, "TILES": 2, "num_stages": 4, "PDL": True, "PDL_TRIGGER": "start"},
+}
+
+
+@pytest.mark.parametrize("plan", sorted(MMA_PLANS))
+@pytest.mark.parametrize("name,dtype,H", [("int4-g128", torch.bfloat16, 1920), ("int4-zp-g128", torch.float16, 2048),
+                                          ("int4-zp-g32", torch.bfloat16, 1936), ("int4-zp-channel", torch.float16, 1920),
+                                          ("int4-g256", torch.bfloat16, 1792)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_mma_gate_up(k, plan, name, dtype, H, T):
+    """The tensor-core gate/up GEMV into a NaN-poisoned intermediate: each picked pair's rows within 2^-8 of float64
+    silu(gate) * up (x and the dequantized weights exact, fp32 sums), an unpicked pair's rows unwritten; E=16,
+    I=768, top-8, H past a loop step's last tile (1920: 15 tiles), past the last tile's columns (1936), and in
+    groups of 256. Then the whole layer through `experts` within TOL of float64 (T = 3: a token picks nothing)."""
+    E, I, top_k = 16, 768, 8
+    (q_gate_up, q_down), g = layer(k, E, H, I, name, seed=7, dtype=dtype)
+    x = (torch.randn(T, H, device="cuda", generator=g) * 4).to(dtype)
+    weights, ids = routing(T, E, top_k)
+    if T > 1:
+        ids[1] = E  # selects nothing
+    tk = k.ops.triton_kernels
+    assert tk.launch.mma_gemv_supported(x, q_gate_up)
+    inter = torch.full((T * top_k, I), float("nan"), device="cuda")
+    tk.launch._gate_up_mma(x, q_gate_up, inter, ids, MMA_PLANS[plan], MMA_PLANS[plan].get("PDL_TRIGGER") == "start")
+    w = k.dequantize(q_gate_up, torch.float32).double()
+    for p, e in enumerate(ids.flatten().tolist()):
+        if e >= E:
+            assert inter[p].isnan().all()
+            continue
+        gate_up = w[e] @ x[p // top_k].double()
+        want = F.silu(gate_up[:I]) * gate_up[I:]
+        err = ((inter[p].double() - want).norm() / want.norm()).item()
+        assert err <= 2**-8, (p, err)
+    out = torch.full((T, H), float("nan"), device="cuda", dtype=dtype)
+    up = MMA_PLANS[plan]
+    if tk.packed_gemv(q_down, dtype):
+        down = {**PACKED_PLANS["tma"], "PDL": True}
+    else:  # the fp32 down GEMV: no early trigger for it
+        up, down = {key: v for key, v in up.items() if key != "PDL_TRIGGER"}, PACKED_PLANS["plain"]
+    tk.experts(x, q_gate_up, q_down, weights, ids, out, config={"GEMV": True, "gate_up": up, "down": down})
+    kept = weights * (ids < E)
+    ref = experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32), kept,
+                          ids.clamp(max=E - 1))
+    assert rel_error(out, ref) <= TOL
+
+
+def test_mma_gate_up_refuses(k):
+    """MMA with a format it does not take (NF4, float minima) or the fold (whose counts the packed gate/up GEMV
+    zeroes) is a ValueError naming the key, not another kernel's answer."""
+    E, H, I, top_k = 4, 1024, 256, 2
+    x = torch.randn(1, H, device="cuda").bfloat16()
+    weights, ids = routing(1, E, top_k)
+    tk = k.ops.triton_kernels
+    out = torch.empty(1, H, device="cuda", dtype=torch.bfloat16)
+    for name in ("nf4-g64", "int4-min-g64"):
+        (q_gate_up, q_down), _ = layer(k, E, H, I, name)
+        with pytest.raises(ValueError, match="MMA"):
+            tk.experts(x, q_gate_up, q_down, weights, ids, out,
+                       config={"GEMV": True, "gate_up": MMA_PLANS["w4-t4-s2"], "down": PACKED_PLANS["plain"]})
+    (q_gate_up, q_down), _ = layer(k, E, H, I, "int4-g128")
+    with pytest.raises(ValueError, match="FOLD_COMBINE"):
+        tk.experts(x, q_gate_up, q_down, weights, ids, out, config={
+            "GEMV": True, "gate_up": MMA_PLANS["w4-t4-s2"], "down": {**PACKED_PLANS["tma"], "FOLD_COMBINE": True}})
+
+
 DOT_OPERANDS = {"packed-swap": (True, True), "packed": (True, False), "fp32-planes": (False, False)}
 
 

@@ -22,6 +22,12 @@ CASES = {  # [fmt, group_size, dtype, BLOCK_M, num_stages]
     "zp-g128-bf16-s2": ["zp", 128, "bfloat16", 128, 2],
     "int4-g128-bf16-s4": ["int4", 128, "bfloat16", 128, 4],  # the down GEMM: 3 stages beside its output tiles
 }
+MMA_CASES = {  # ["mma", fmt, group_size, dtype, plan]: the tensor-core gate/up GEMV
+    "mma-int4-g128-bf16": ["mma", "int4", 128, "bfloat16", {"num_warps": 4, "TILES": 4, "num_stages": 2}],
+    "mma-zp-g32-fp16": ["mma", "zp", 32, "float16", {"num_warps": 2, "TILES": 8, "num_stages": 3}],
+    "mma-zp-channel-bf16": ["mma", "zp", -1, "bfloat16", {"num_warps": 1, "TILES": 2, "num_stages": 4}],
+    "mma-int4-g256-fp16": ["mma", "int4", 256, "float16", {"num_warps": 4, "TILES": 2, "num_stages": 3}],
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +45,8 @@ def compiled(k, built_kernel_dir):
         pytest.skip(f"no Triton {' / '.join(launch.GLUON_TRITON_RELEASES)} (the Gluon kernel's release) here: "
                     f"set {COMPILE_PYTHON_ENV} to a Python that has it")
     lines = run_cases(python, Path(__file__).with_name("moe_dispatch_sm90_compile.py"),
-                      built_kernel_dir("moe-dispatch"), list(CASES.values()))
-    return dict(zip(CASES, lines))
+                      built_kernel_dir("moe-dispatch"), list(CASES.values()) + list(MMA_CASES.values()))
+    return dict(zip(list(CASES) + list(MMA_CASES), lines))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -55,3 +61,14 @@ def test_grouped_wgmma_compiles_for_sm90_without_spills(compiled, case):
     for kernel in result["compiled"][1:]:  # two warpgroups of 2 chains x 8 chunks; a full wait only after a block
         assert kernel["wgmma"] == 32 and kernel["wgmma_full_waits"] == 2, kernel
         assert kernel["shared"] <= 232448, kernel  # what an H100 / H200 CTA can have
+
+
+@pytest.mark.parametrize("case", list(MMA_CASES))
+def test_mma_gate_up_compiles_for_sm90_without_spills(compiled, case):
+    """The tensor-core gate/up GEMV compiles in each plan without a stack frame, two MMAs (gate and up) for each
+    of a K-tile's 8 chunks a warp, within a CTA's shared memory."""
+    result = compiled[case]
+    assert "error" not in result, result.get("error")
+    (kernel,) = result["compiled"]
+    assert kernel["kernel"] == "_gate_up_mma_kernel" and kernel["stack"] == 0, kernel
+    assert kernel["shared"] <= 232448, kernel

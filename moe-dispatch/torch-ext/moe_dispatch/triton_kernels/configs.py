@@ -216,9 +216,10 @@ def get_config(tokens: int, num_experts: int, hidden: int, intermediate: int, to
 
 def _for_weights(config: dict, quantized: bool) -> dict:
     """4-bit experts step through K one packed tile (128 columns) at a time, and dequantize a [BLOCK_N, 128] tile
-    in registers: BLOCK_K is 128 and BLOCK_N at most 128."""
-    return {key: {**value, "BLOCK_K": 128, "BLOCK_N": min(128, value["BLOCK_N"])} if isinstance(value, dict)
-            else value for key, value in config.items()}
+    in registers: BLOCK_K is 128 and BLOCK_N at most 128 (where the plan has one: the tensor-core GEMV's rows
+    follow from its warps)."""
+    return {key: {**value, "BLOCK_K": 128, **({"BLOCK_N": min(128, value["BLOCK_N"])} if "BLOCK_N" in value else {})}
+            if isinstance(value, dict) else value for key, value in config.items()}
 
 
 def _for_dtype(config: dict, dtype: torch.dtype) -> dict:

@@ -198,8 +198,16 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     num_tiles = triton.cdiv(intermediate, 128)
     per_split = triton.cdiv(triton.cdiv(num_tiles, down.get("SPLIT_K", 1)), down["TILES"]) * down["TILES"]
     splits = triton.cdiv(num_tiles, per_split)
-    if (trigger != "end" or preload or fold) and not (packed_up and packed_down):
+    mma_up = _plan_choice(up, "MMA", (False, True), False)
+    if (trigger != "end" or preload or fold) and not ((packed_up or mma_up) and packed_down):
         raise ValueError("config: PDL_TRIGGER, PRELOAD_WORDS and FOLD_COMBINE apply to the packed-fp16 GEMVs only")
+    if fold and mma_up:
+        raise ValueError("config: FOLD_COMBINE needs the packed gate/up GEMV (it zeroes the fold's counts), not MMA")
+    if mma_up and not mma_gemv_supported(x, w_gate_up):
+        raise ValueError("config: MMA needs int4 experts without minima (groups of 32, 64, multiples of 128 or per "
+                         "channel) and fp16 / bf16 activations with 16-element aligned rows on an NVIDIA GPU of "
+                         f"sm_80+ with Gluon; got {w_gate_up.fmt} group {w_gate_up.group_size}, {x.dtype} on "
+                         f"{x.device}")
     if preload and per_split != down["TILES"]:
         raise ValueError("config: PRELOAD_WORDS needs a down GEMV of one loop step (its K range of at most "
                          f"TILES = {down['TILES']} tiles), got {per_split} tiles a split")
@@ -208,7 +216,9 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     down_blocks = triton.cdiv(H, down["BLOCK_N"])
     # the fold's arrival counts (zeroed by the gate/up GEMV); without it topk_ids stands in, never read
     counts = torch.empty(T * down_blocks, dtype=torch.int32, device=x.device) if fold else topk_ids
-    if packed_up:
+    if mma_up:
+        _gate_up_mma(x, w_gate_up, inter, topk_ids, up, trigger == "start")
+    elif packed_up:
         _gate_up_h2_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
             x, _words_arg(w_gate_up, up), *gu_ptrs[:2], inter, topk_ids, counts,
             T, H, intermediate, num_routed, w_gate_up.padded_shape[0], down_blocks, x.stride(0), *gu_strides,
@@ -243,6 +253,45 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
         **_h2_flags(down, inter.dtype, intermediate, per_split, dn_format, x.device),
     )
     return None if fold else pair_out
+
+
+def mma_gemv_supported(x: torch.Tensor, w: QuantizedExperts) -> bool:
+    """Whether the tensor-core gate/up GEMV (`mma._gate_up_mma_kernel`) runs these experts: int4 without minima in
+    scale groups of 32, 64, multiples of 128 or per channel, fp16 / bf16 activations whose rows its cp.async ring
+    copies in 16-byte pieces, on an NVIDIA GPU of sm_80 or later with the Triton release the Gluon kernels were
+    built for."""
+    g = w.group_size
+    if w.codebook is not None or w.mins is not None or not (g == -1 or g % 128 == 0 or g in (32, 64)):
+        return False
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.stride(-1) != 1 or x.stride(0) % 16 or x.shape[1] % 16:
+        return False
+    if _interpreting() or x.device.type != "cuda" or torch.version.hip is not None or x.data_ptr() % 16:
+        return False
+    return _capability(x.device) >= (8, 0) and _gluon_available()
+
+
+def _gate_up_mma(x: torch.Tensor, w: QuantizedExperts, inter: torch.Tensor, topk_ids: torch.Tensor, plan: dict,
+                 trigger_start: bool) -> None:
+    """`mma._gate_up_mma_kernel` into `inter` [P, I] (fp32): one program per (token, slot) pair and 16 x num_warps
+    rows of the intermediate, TILES K-tiles an iteration through a ring of num_stages (>= 2) slots."""
+    # imported here: Triton builds without Gluon never reach this launcher (`_gemvs` checks `mma_gemv_supported`)
+    from .mma import _gate_up_mma_kernel
+
+    warps, tiles, stages = plan.get("num_warps", 4), plan.get("TILES", 4), plan.get("num_stages", 2)
+    intermediate = w.shape[0] // 2
+    if (warps not in (1, 2, 4, 8) or intermediate % (16 * warps) or tiles not in (1, 2, 4, 8)
+            or not isinstance(stages, int) or stages < 2):
+        raise ValueError(f"config: MMA needs num_warps 1-8 with 16 x num_warps dividing the intermediate size "
+                         f"({intermediate}), TILES 1, 2, 4 or 8 and num_stages >= 2; got {plan}")
+    _, strides, fmt = _weight_args(w)
+    pdl = _pdl(plan, x.device)
+    hidden = x.shape[1]
+    _gate_up_mma_kernel[(topk_ids.numel(), intermediate // (16 * warps))](
+        x, w.qweight, w.scales, _or(w.zeros, w.scales), inter, topk_ids, hidden, intermediate, w.num_experts,
+        x.stride(0), *strides, inter.stride(0), TOP_K=topk_ids.shape[1], GROUP=128 if fmt["GROUP"] == -1 else
+        fmt["GROUP"], PER_CHANNEL=fmt["GROUP"] == -1, HAS_ZERO=fmt["HAS_ZERO"], TILES=tiles, STAGES=stages,
+        MASK_K=hidden % 128 != 0, PDL=pdl, launch_pdl=pdl, TRIGGER_START=trigger_start, num_warps=warps,
+    )
 
 
 def _streams(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, shared_gu: torch.Tensor,

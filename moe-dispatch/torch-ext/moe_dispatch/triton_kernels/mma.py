@@ -1,0 +1,51 @@
+"""The 4-bit experts' gate/up GEMV on tensor cores (`_gate_up_mma_kernel`): w4a16's mma GEMV loop
+(`mma_gemv._mma_acc`, the module byte for byte) over one (token, slot) pair's expert, a program's first half of
+rows the gate's and its second half the same rows of up, so that each thread holds both of a row's sums.
+
+The packed-fp16 GEMV issues 2.7 instructions a weight on Mixtral's gate/up (sm_90a SASS, docs/design/
+moe-dispatch.md, session 40): the product with x, the halves' sum, the widening and the scale of each word. Here the
+MMA takes those; what is left a weight is its dequantization into the A operand (20 instructions for 16 weights)."""
+
+from __future__ import annotations
+
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .mma_gemv import _mma_acc
+
+
+@gluon.jit
+def _gate_up_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr, H, I, num_experts, stride_xt, stride_we,
+                        stride_wn, stride_se, stride_sg, stride_it, TOP_K: gl.constexpr, GROUP: gl.constexpr,
+                        PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, TILES: gl.constexpr,
+                        STAGES: gl.constexpr, MASK_K: gl.constexpr, PDL: gl.constexpr, TRIGGER_START: gl.constexpr):
+    """inter[p, n] = silu(gate) * up of pair p's token through its expert, for 16 x warps rows n from program_id(1)
+    on (x as the MMA's 8-token B operand, the pair's token in its first column). PDL: launched as a programmatic
+    dependent of the routing; lets the down GEMV launch once its K loop is done, or with TRIGGER_START right after
+    its wait (as `gemv._gate_up_h2_kernel`)."""
+    WARPS: gl.constexpr = gl.num_warps()
+    HALF: gl.constexpr = 16 * WARPS
+    if PDL:  # as `tiles._pdl_wait` (Triton's own griddepcontrol builtins run in Gluon too)
+        tl.extra.cuda.gdc_wait()
+        if TRIGGER_START:
+            tl.extra.cuda.gdc_launch_dependents()
+    p = gl.program_id(0)
+    e = gl.load(ids_ptr + p)
+    if (e >= 0) & (e < num_experts):  # other ids select nothing; the combine skips their pairs
+        e64 = e.to(gl.int64)
+        off_n = gl.program_id(1) * HALF
+        acc = _mma_acc(x_ptr + (p // TOP_K).to(gl.int64) * stride_xt, w_ptr + e64 * stride_we,
+                       s_ptr + e64 * stride_se, z_ptr + e64 * stride_se, 0, 1, H, off_n, I, 0, gl.cdiv(H, 128),
+                       stride_xt, stride_wn, stride_sg, None, None, GROUP, PER_CHANNEL, HAS_ZERO, False, None, 0,
+                       False, 8, 2, TILES, MASK_K, True, STAGES, True)
+        if PDL and not TRIGGER_START:
+            tl.extra.cuda.gdc_launch_dependents()
+        gate, up = acc.reshape([2, HALF, 8]).permute((1, 2, 0)).split()
+        act = gate / (1.0 + gl.exp(-gate)) * up
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [WARPS, 1], [0, 1])
+        act = gl.convert_layout(act, out_layout)
+        n = off_n + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
+        m = gl.arange(0, 8, layout=gl.SliceLayout(0, out_layout))
+        gl.store(inter_ptr + p.to(gl.int64) * stride_it + n[:, None] + m[None, :] * 0, act,
+                 mask=(n < I)[:, None] & (m == 0)[None, :])
