@@ -184,8 +184,8 @@ MMA_PLANS = {  # the tensor-core gate/up GEMV's plans (`launch._gate_up_mma`): w
 
 @pytest.mark.parametrize("plan", sorted(MMA_PLANS))
 @pytest.mark.parametrize("name,dtype,H", [("int4-g128", torch.bfloat16, 1920), ("int4-zp-g128", torch.float16, 2048),
-                                          ("int4-zp-g32", torch.bfloat16, 1936), ("int4-zp-channel", torch.float16, 1920),
-                                          ("int4-g256", torch.bfloat16, 1792)])
+                                          ("int4-zp-g32", torch.bfloat16, 1936),
+                                          ("int4-zp-channel", torch.float16, 1920), ("int4-g256", torch.bfloat16, 1792)])
 @pytest.mark.parametrize("T", [1, 3])
 def test_mma_gate_up(k, plan, name, dtype, H, T):
     """The tensor-core gate/up GEMV into a NaN-poisoned intermediate: each picked pair's rows within 2^-8 of float64

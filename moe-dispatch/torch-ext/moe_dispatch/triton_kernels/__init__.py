@@ -23,8 +23,9 @@ tile (128 columns, 16 words per row) at a time and dequantize it in registers (`
 operand of the same tl.dot. At a few tokens GEMVs replace the two decode kernels (no tensor cores; one program
 per (token, slot) pair and block of rows): `_gate_up_h2_kernel` / `_down_h2_kernel` (packed-fp16 arithmetic,
 TMA rings; int4 in groups of >= 128 columns or per channel, 16-bit activations, T <= PACKED_GEMV_MAX_TOKENS),
-else `_gate_up_gemv_kernel` / `_down_gemv_kernel` (fp32, T <= GEMV_MAX_TOKENS); a down GEMV split over K
-leaves fp32 partial sums that the combine adds. From DEQUANT_MIN_PAIRS (token, slot) pairs per expert the
+else `_gate_up_gemv_kernel` / `_down_gemv_kernel` (fp32, T <= GEMV_MAX_TOKENS); a gate/up plan's "MMA" takes
+`mma._gate_up_mma_kernel` instead (tensor cores: w4a16's mma GEMV loop, `mma_gemv`, byte for byte); a down GEMV
+split over K leaves fp32 partial sums that the combine adds. From DEQUANT_MIN_PAIRS (token, slot) pairs per expert the
 experts are instead dequantized once (`_dequantize_kernel`, chunks of columns of every expert into a reused
 16-bit buffer) and the grouped kernels run as for 16-bit experts, one launch per chunk over that chunk's
 columns. On Hopper with the Triton release it was built for, int4 experts from `launch.wgmma_min_pairs` pairs per

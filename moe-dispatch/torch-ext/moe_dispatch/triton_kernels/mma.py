@@ -47,5 +47,5 @@ def _gate_up_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr, H, I, nu
         act = gl.convert_layout(act, out_layout)
         n = off_n + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
         m = gl.arange(0, 8, layout=gl.SliceLayout(0, out_layout))
-        gl.store(inter_ptr + p.to(gl.int64) * stride_it + n[:, None] + m[None, :] * 0, act,
-                 mask=(n < I)[:, None] & (m == 0)[None, :])
+        gl.store(inter_ptr + p.to(gl.int64) * stride_it + n[:, None] + m[None, :] * 0,
+                 act.to(inter_ptr.dtype.element_ty), mask=(n < I)[:, None] & (m == 0)[None, :])

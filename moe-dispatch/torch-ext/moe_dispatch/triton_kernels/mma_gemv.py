@@ -148,8 +148,8 @@ def _tile_mma(acc, xs, words, s_ptr, z_ptr, s_ring, z_ring, g_row, zlo, zhi, nf4
     with x's fragment j (`xs`, zero where not live); each scale group's sum scaled once. `zlo` / `zhi`: the zero
     constants when they are the same for every tile (per channel, symmetric). With SCALE_RING the iteration's
     scales and zero points come from the shared-memory rings (`s_ring` / `z_ring`: a row of BLOCK_N per group,
-    the iteration's first at `g_row`), else from global memory. NF4: the operands are the caller's lookup, ``NF4_TILE(words,
-    nf4_tables, nf4_lane, x_like, NF4_SHFL, NF4_SMEM)``."""
+    the iteration's first at `g_row`), else from global memory. NF4: the operands are the caller's lookup,
+    ``NF4_TILE(words, nf4_tables, nf4_lane, x_like, NF4_SHFL, NF4_SMEM)``."""
     dtype: gl.constexpr = xs[0].dtype
     z_layout: gl.constexpr = rows.type.layout
     s_layout: gl.constexpr = s_rows.type.layout

@@ -14,9 +14,11 @@ Modules: `gemv` (CUDA-core GEMV / split-K for a few tokens: the fp32 `_gemv_kern
 `_gemv_h2_kernel`), `dot` (tensor cores, dequantization in the K loop), `wgmma` (Hopper only, in Gluon: a TMA
 loader warp beside one or two warpgroups dequantizing into the register operand of asynchronous wgmma; its
 chains' int4 operand in `wgmma_chunks`), `warp_specialize` (the edit of Triton 3.6's warp-specialized PTX that
-lets `wgmma`'s second warpgroup pipeline; it and `wgmma_chunks` are shared with moe-dispatch byte for byte),
-`dequant` (the dequantize kernel), `common` (bit tricks and the split-K reduction they share), `launch` (grids,
-configs, the entry points below).
+lets `wgmma`'s second warpgroup pipeline), `mma` (the tensor-core GEMV for 2-32 tokens, in Gluon: `mma.sync`
+on operands dequantized in registers; its K loop in `mma_gemv`, NF4's lookups in `mma` itself), `dequant` (the
+dequantize kernel), `common` (bit tricks and the split-K reduction they share), `launch` (grids,
+configs, the entry points below). `warp_specialize`, `wgmma_chunks` and `mma_gemv` are shared with moe-dispatch
+byte for byte.
 """
 
 from .launch import dequantize, matmul

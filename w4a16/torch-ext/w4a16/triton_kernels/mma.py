@@ -2,13 +2,9 @@
 (the 2-32-token path of the H200 table and of `tuning.mma_heuristic`; docs/design/w4a16.md E14-E17).
 
 The packed-fp16 GEMV spends ~4 instructions per weight (dequantization, then one HFMA2 per weight pair and per
-token), about the H200's whole issue budget at copy bandwidth; the MMA makes the per-token work free. Each warp
-owns 16-row blocks of the weight and loads their packed words straight into the MMA's A-operand layout: a
-thread of an m16n8k16 A fragment holds columns (2c, 2c + 1) and (2c + 8, 2c + 9) of rows g and g + 8, and word
-c of a row holds column 16 j + c at nibble j (`formats`), so the 8 words a thread loads are every fragment of
-the K-tile's 8 chunks. One PTX block per two neighbouring words (`_pair_planes_asm`) makes all 8 fragments'
-registers: 2 PRMT + 2 SHF + 8 LOP3 + 8 HFMA2 for 16 weights, (code - zero) / 16 exactly in fp16 or bf16 (the
-packed-fp16 GEMV's exponent trick). The MMA sums them in fp32; each scale group's sum is scaled once per row.
+token), about the H200's whole issue budget at copy bandwidth; the MMA makes the per-token work free. The K loop
+(the int4 operands built in registers, x's fragments, the cp.async ring, the MMAs) is `mma_gemv._mma_acc`, shared
+with moe-dispatch's 4-bit gate/up GEMV; this module holds the kernel around it and NF4's lookups.
 
 Formats: int4 with integer zero points or symmetric, scale groups of 32, 64, multiples of 128 or per channel,
 NF4 (codebook looked up in the shared-memory pair table, `_nf4_table_planes_asm`, or by byte permutes,
