@@ -2,8 +2,8 @@
 CASES a JSON list of ``[fmt, group_size, dtype, block_m, num_stages]`` (fmt: ``"int4"``, ``"zp"`` or ``"mins"``;
 dtype: ``"float16"`` or ``"bfloat16"``), each run through the grouped Gluon launcher (`launch._grouped_wgmma`:
 the row gather, then the gate / up and the down kernel) on Qwen3-30B-A3B's expert shapes, or of
-``["mma", fmt, group_size, dtype, plan]``, run through the tensor-core gate/up GEMV's (`launch._gate_up_mma`) at
-one token. Run by `test_moe_dispatch_sm90_compile.py`."""
+``["mma", fmt, group_size, dtype, plan]``, run through the tensor-core GEMVs' launchers (`launch._gate_up_mma`,
+`launch._down_mma`) at one token. Run by `test_moe_dispatch_sm90_compile.py`."""
 
 from __future__ import annotations
 
@@ -35,9 +35,15 @@ def main(build: str, cases: str) -> None:
         if case[0] == "mma":
             _, fmt, group_size, dtype, plan = case
             w_gate_up = _experts(package.quantized, fmt, group_size, 2 * I, H)
+            w_down = _experts(package.quantized, fmt, group_size, H, I)
             x = torch.randn(1, H, dtype=getattr(torch, dtype))
-            report(compiled, lambda: launch._gate_up_mma(x, w_gate_up, torch.empty(TOP_K, I), torch.zeros(
-                1, TOP_K, dtype=torch.int32), plan, False))
+            ids = torch.zeros(1, TOP_K, dtype=torch.int32)
+
+            def both():
+                launch._gate_up_mma(x, w_gate_up, torch.empty(TOP_K, I), ids, plan, False)
+                launch._down_mma(torch.empty(TOP_K, I, dtype=x.dtype), w_down, ids, torch.rand(1, TOP_K), plan)
+
+            report(compiled, both)
             continue
         fmt, group_size, dtype, block_m, stages = case
         w_gate_up = _experts(package.quantized, fmt, group_size, 2 * I, H)

@@ -224,9 +224,43 @@ def test_mma_gate_up(k, plan, name, dtype, H, T):
     assert rel_error(out, ref) <= TOL
 
 
+MMA_DOWN_PLANS = {
+    "w4-t4-s2": {"MMA": True, "num_warps": 4, "TILES": 4, "num_stages": 2, "PDL": True},
+    "w2-reps2-t2-s3-split3": {"MMA": True, "num_warps": 2, "REPS": 2, "TILES": 2, "num_stages": 3, "SPLIT_K": 3},
+}
+
+
+@pytest.mark.parametrize("plan", sorted(MMA_DOWN_PLANS))
+@pytest.mark.parametrize("name,dtype,I", [("int4-g128", torch.bfloat16, 768), ("int4-zp-g32", torch.float16, 800),
+                                          ("int4-zp-channel", torch.bfloat16, 640)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_mma_down(k, plan, name, dtype, I, T):
+    """The tensor-core down GEMV behind both gate/up GEMVs (tensor-core and packed / fp32), into a NaN-poisoned
+    output, within TOL of float64: E=16, H=2000 (output rows past the last full row block), top-8, I past a loop
+    step's last tile (768: 6 tiles) or past the last tile's columns (800); split over K or not. T = 3: a token
+    picks nothing."""
+    E, H, top_k = 16, 2000, 8
+    (q_gate_up, q_down), g = layer(k, E, H, I, name, seed=9, dtype=dtype)
+    x = (torch.randn(T, H, device="cuda", generator=g) * 4).to(dtype)
+    weights, ids = routing(T, E, top_k)
+    if T > 1:
+        ids[1] = E  # selects nothing
+    tk = k.ops.triton_kernels
+    kept = weights * (ids < E)
+    ref = experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32), kept,
+                          ids.clamp(max=E - 1))
+    for up in (MMA_PLANS["w2-t8-s3"], PACKED_PLANS["plain"]):
+        out = torch.full((T, H), float("nan"), device="cuda", dtype=dtype)
+        tk.experts(x, q_gate_up, q_down, weights, ids, out, config={"GEMV": True, "gate_up": up,
+                                                                       "down": MMA_DOWN_PLANS[plan]})
+        if T > 1:
+            assert not out[1].any()
+        assert rel_error(out, ref) <= TOL
+
+
 def test_mma_gate_up_refuses(k):
-    """MMA with a format it does not take (NF4, float minima) or the fold (whose counts the packed gate/up GEMV
-    zeroes) is a ValueError naming the key, not another kernel's answer."""
+    """MMA with a format it does not take (NF4, float minima), the fold (whose counts the packed gate/up GEMV
+    zeroes) or the down GEMV's preload is a ValueError naming the key, not another kernel's answer."""
     E, H, I, top_k = 4, 1024, 256, 2
     x = torch.randn(1, H, device="cuda").bfloat16()
     weights, ids = routing(1, E, top_k)
@@ -241,6 +275,9 @@ def test_mma_gate_up_refuses(k):
     with pytest.raises(ValueError, match="FOLD_COMBINE"):
         tk.experts(x, q_gate_up, q_down, weights, ids, out, config={
             "GEMV": True, "gate_up": MMA_PLANS["w4-t4-s2"], "down": {**PACKED_PLANS["tma"], "FOLD_COMBINE": True}})
+    with pytest.raises(ValueError, match="PRELOAD_WORDS"):
+        tk.experts(x, q_gate_up, q_down, weights, ids, out, config={
+            "GEMV": True, "gate_up": PACKED_PLANS["tma"], "down": {**MMA_DOWN_PLANS["w4-t4-s2"], "PRELOAD_WORDS": True}})
 
 
 DOT_OPERANDS = {"packed-swap": (True, True), "packed": (True, False), "fp32-planes": (False, False)}

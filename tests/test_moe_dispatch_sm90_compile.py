@@ -22,7 +22,7 @@ CASES = {  # [fmt, group_size, dtype, BLOCK_M, num_stages]
     "zp-g128-bf16-s2": ["zp", 128, "bfloat16", 128, 2],
     "int4-g128-bf16-s4": ["int4", 128, "bfloat16", 128, 4],  # the down GEMM: 3 stages beside its output tiles
 }
-MMA_CASES = {  # ["mma", fmt, group_size, dtype, plan]: the tensor-core gate/up GEMV
+MMA_CASES = {  # ["mma", fmt, group_size, dtype, plan]: the tensor-core GEMVs
     "mma-int4-g128-bf16": ["mma", "int4", 128, "bfloat16", {"num_warps": 4, "TILES": 4, "num_stages": 2}],
     "mma-zp-g32-fp16": ["mma", "zp", 32, "float16", {"num_warps": 2, "TILES": 8, "num_stages": 3}],
     "mma-zp-channel-bf16": ["mma", "zp", -1, "bfloat16", {"num_warps": 1, "TILES": 2, "num_stages": 4}],
@@ -64,11 +64,11 @@ def test_grouped_wgmma_compiles_for_sm90_without_spills(compiled, case):
 
 
 @pytest.mark.parametrize("case", list(MMA_CASES))
-def test_mma_gate_up_compiles_for_sm90_without_spills(compiled, case):
-    """The tensor-core gate/up GEMV compiles in each plan without a stack frame, two MMAs (gate and up) for each
-    of a K-tile's 8 chunks a warp, within a CTA's shared memory."""
+def test_mma_gemvs_compile_for_sm90_without_spills(compiled, case):
+    """The tensor-core gate/up and down GEMVs compile in each plan without a stack frame, within a CTA's shared
+    memory."""
     result = compiled[case]
     assert "error" not in result, result.get("error")
-    (kernel,) = result["compiled"]
-    assert kernel["kernel"] == "_gate_up_mma_kernel" and kernel["stack"] == 0, kernel
-    assert kernel["shared"] <= 232448, kernel
+    assert [kernel["kernel"] for kernel in result["compiled"]] == ["_gate_up_mma_kernel", "_down_mma_kernel"], result
+    for kernel in result["compiled"]:
+        assert kernel["stack"] == 0 and kernel["shared"] <= 232448, kernel

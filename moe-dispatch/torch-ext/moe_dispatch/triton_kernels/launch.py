@@ -12,7 +12,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..quantized import QuantizedExperts
+from ..quantized import PAD_N, QuantizedExperts
 from .configs import (CHUNK_TOKENS, DECODE_MAX_TOKENS, DEQUANT_BLOCK_N, DEQUANT_CHUNK_BYTES, DEQUANT_MIN_PAIRS,
                       DEQUANT_OVERLAP, ROUTER_BLOCK_E, ROUTER_GEMV_ELEMENTS, ROUTER_GEMV_MAX_TOKENS, WGMMA_LONG_K_TILES,
                       WGMMA_MIN_PAIRS, WGMMA_PLAN, _for_dtype, _for_weights, _sm_count, default_config, get_config)
@@ -183,46 +183,43 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     Plan keys of the packed GEMVs' dependent launches (E64 / E65, measured on the design page): the gate/up plan's
     "PDL_TRIGGER" ("end", the default: the down grid launches after each program's K loop; "start": right after
     its wait), the down plan's "PRELOAD_WORDS" (the words of its one loop step loaded before its wait) and
-    "FOLD_COMBINE" (one split only)."""
+    "FOLD_COMBINE" (one split only). A plan's "MMA" runs that GEMV on tensor cores (`_gate_up_mma`, `_down_mma`;
+    E78)."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
     num_pairs, intermediate, num_routed = T * top_k, w_down.shape[1], w_down.num_experts
     gu_ptrs, gu_strides, gu_format = _weight_args(w_gate_up)
     dn_ptrs, dn_strides, dn_format = _weight_args(w_down)
-    # fp32 intermediate: the down GEMVs' x then needs no rounding before its own (exact or per-tile) conversion
-    inter = torch.empty(num_pairs, intermediate, dtype=torch.float32, device=x.device)
     packed_up, packed_down = packed_gemv(w_gate_up, x.dtype), packed_gemv(w_down, x.dtype)
     trigger = _plan_choice(up, "PDL_TRIGGER", ("end", "start"), "end")
     preload = _plan_choice(down, "PRELOAD_WORDS", (False, True), False)
     fold = _plan_choice(down, "FOLD_COMBINE", (False, True), False)
-    num_tiles = triton.cdiv(intermediate, 128)
-    per_split = triton.cdiv(triton.cdiv(num_tiles, down.get("SPLIT_K", 1)), down["TILES"]) * down["TILES"]
-    splits = triton.cdiv(num_tiles, per_split)
     mma_up = _plan_choice(up, "MMA", (False, True), False)
-    if (trigger != "end" or preload or fold) and not ((packed_up or mma_up) and packed_down):
+    mma_down = _plan_choice(down, "MMA", (False, True), False)
+    if (trigger != "end" or preload or fold) and not ((packed_up or mma_up) and (packed_down or mma_down)):
         raise ValueError("config: PDL_TRIGGER, PRELOAD_WORDS and FOLD_COMBINE apply to the packed-fp16 GEMVs only")
-    if fold and mma_up:
-        raise ValueError("config: FOLD_COMBINE needs the packed gate/up GEMV (it zeroes the fold's counts), not MMA")
-    if mma_up and not mma_gemv_supported(x, w_gate_up):
-        raise ValueError("config: MMA needs int4 experts without minima (groups of 32, 64, multiples of 128 or per "
-                         "channel) and fp16 / bf16 activations with 16-element aligned rows on an NVIDIA GPU of "
-                         f"sm_80+ with Gluon; got {w_gate_up.fmt} group {w_gate_up.group_size}, {x.dtype} on "
-                         f"{x.device}")
-    if preload and per_split != down["TILES"]:
-        raise ValueError("config: PRELOAD_WORDS needs a down GEMV of one loop step (its K range of at most "
-                         f"TILES = {down['TILES']} tiles), got {per_split} tiles a split")
-    if fold and splits > 1:
-        raise ValueError(f"config: FOLD_COMBINE needs one split of the down GEMV, got SPLIT_K {down['SPLIT_K']}")
-    down_blocks = triton.cdiv(H, down["BLOCK_N"])
-    # the fold's arrival counts (zeroed by the gate/up GEMV); without it topk_ids stands in, never read
+    if (preload or fold) and mma_down or fold and mma_up:
+        raise ValueError("config: PRELOAD_WORDS and FOLD_COMBINE need the packed down GEMV, and FOLD_COMBINE the "
+                         "packed gate/up GEMV (it zeroes the fold's counts), not MMA")
+    for part, w, mma in (("gate_up", w_gate_up, mma_up), ("down", w_down, mma_down)):
+        if mma and not mma_gemv_supported(x, w):
+            raise ValueError(f"config: {part} MMA needs int4 experts without minima (groups of 32, 64, multiples of "
+                             "128 or per channel) and fp16 / bf16 activations with 16-element aligned rows on an "
+                             f"NVIDIA GPU of sm_80+ with Gluon; got {w.fmt} group {w.group_size}, {x.dtype} on "
+                             f"{x.device}")
+    # fp32 intermediate: the down GEMVs' x then needs no rounding before its own (exact or per-tile) conversion;
+    # the tensor-core down GEMV takes it in the activations' dtype (its MMA's operand)
+    inter = torch.empty(num_pairs, intermediate, dtype=x.dtype if mma_down else torch.float32, device=x.device)
+    # the fold's arrival counts, a row block's a token (zeroed by the gate/up GEMV); without it never read
+    down_blocks = triton.cdiv(H, down["BLOCK_N"]) if fold else 0
     counts = torch.empty(T * down_blocks, dtype=torch.int32, device=x.device) if fold else topk_ids
     if mma_up:
         _gate_up_mma(x, w_gate_up, inter, topk_ids, up, trigger == "start")
     elif packed_up:
         _gate_up_h2_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
             x, _words_arg(w_gate_up, up), *gu_ptrs[:2], inter, topk_ids, counts,
-            T, H, intermediate, num_routed, w_gate_up.padded_shape[0], down_blocks, x.stride(0), *gu_strides,
-            inter.stride(0), TOP_K=top_k, TRIGGER_START=trigger == "start", ZERO_COUNTS=fold,
+            T, H, intermediate, num_routed, w_gate_up.padded_shape[0], down_blocks, x.stride(0),
+            *gu_strides, inter.stride(0), TOP_K=top_k, TRIGGER_START=trigger == "start", ZERO_COUNTS=fold,
             **_h2_flags(up, x.dtype, H, triton.cdiv(H, 128), gu_format, x.device),
         )
     else:
@@ -232,6 +229,8 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
             TOP_K=top_k, BLOCK_N=up["BLOCK_N"], TILES=up["TILES"], STAGES=up["num_stages"],
             EVEN_K=H % (128 * up["TILES"]) == 0, num_warps=up["num_warps"], **_gemv_format(gu_format),
         )
+    if mma_down:
+        return _down_mma(inter, w_down, topk_ids, topk_weights, down)
     if not packed_down:
         pair_out = torch.empty(num_pairs, H, dtype=x.dtype, device=x.device)
         _down_gemv_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]))](
@@ -242,10 +241,18 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
             **_gemv_format(dn_format),
         )
         return pair_out
+    num_tiles = triton.cdiv(intermediate, 128)
+    per_split = triton.cdiv(triton.cdiv(num_tiles, down.get("SPLIT_K", 1)), down["TILES"]) * down["TILES"]
+    splits = triton.cdiv(num_tiles, per_split)
+    if preload and per_split != down["TILES"]:
+        raise ValueError("config: PRELOAD_WORDS needs a down GEMV of one loop step (its K range of at most "
+                         f"TILES = {down['TILES']} tiles), got {per_split} tiles a split")
+    if fold and splits > 1:
+        raise ValueError(f"config: FOLD_COMBINE needs one split of the down GEMV, got SPLIT_K {down['SPLIT_K']}")
     # one split writes the pairs' outputs in the activations' dtype; more write fp32 partials the combine adds
     pair_out = (torch.empty(num_pairs, H, dtype=x.dtype, device=x.device) if splits == 1 else
                 torch.empty(splits, num_pairs, H, dtype=torch.float32, device=x.device))
-    _down_h2_kernel[(num_pairs, down_blocks, splits)](
+    _down_h2_kernel[(num_pairs, triton.cdiv(H, down["BLOCK_N"]), splits)](
         inter, _words_arg(w_down, down), *dn_ptrs[:2], pair_out, topk_ids, topk_weights, counts, out,
         T, H, intermediate, num_routed, w_down.padded_shape[0], per_split, inter.stride(0), *dn_strides,
         pair_out.stride(-2), pair_out.stride(0) if splits > 1 else 0, out.stride(0),
@@ -277,12 +284,11 @@ def _gate_up_mma(x: torch.Tensor, w: QuantizedExperts, inter: torch.Tensor, topk
     # imported here: Triton builds without Gluon never reach this launcher (`_gemvs` checks `mma_gemv_supported`)
     from .mma import _gate_up_mma_kernel
 
-    warps, tiles, stages = plan.get("num_warps", 4), plan.get("TILES", 4), plan.get("num_stages", 2)
+    warps, tiles, stages = _mma_plan(plan, 1)
     intermediate = w.shape[0] // 2
-    if (warps not in (1, 2, 4, 8) or intermediate % (16 * warps) or tiles not in (1, 2, 4, 8)
-            or not isinstance(stages, int) or stages < 2):
-        raise ValueError(f"config: MMA needs num_warps 1-8 with 16 x num_warps dividing the intermediate size "
-                         f"({intermediate}), TILES 1, 2, 4 or 8 and num_stages >= 2; got {plan}")
+    if intermediate % (16 * warps):  # a program's up half would reach past the up rows
+        raise ValueError(f"config: the gate/up MMA needs 16 x num_warps to divide the intermediate size "
+                         f"({intermediate}); got {plan}")
     _, strides, fmt = _weight_args(w)
     pdl = _pdl(plan, x.device)
     hidden = x.shape[1]
@@ -292,6 +298,50 @@ def _gate_up_mma(x: torch.Tensor, w: QuantizedExperts, inter: torch.Tensor, topk
         fmt["GROUP"], PER_CHANNEL=fmt["GROUP"] == -1, HAS_ZERO=fmt["HAS_ZERO"], TILES=tiles, STAGES=stages,
         MASK_K=hidden % 128 != 0, PDL=pdl, launch_pdl=pdl, TRIGGER_START=trigger_start, num_warps=warps,
     )
+
+
+def _mma_plan(plan: dict, reps: int) -> tuple[int, int, int]:
+    """(num_warps, TILES, num_stages) of a tensor-core GEMV plan, refused by name unless 1-8 warps, 1-8 K-tiles an
+    iteration (a power of two) and a ring of >= 2 slots, with 16 x num_warps x `reps` rows a program at most
+    PAD_N (a program's rows stay within the padded rows)."""
+    warps, tiles, stages = plan.get("num_warps", 4), plan.get("TILES", 4), plan.get("num_stages", 2)
+    if (warps not in (1, 2, 4, 8) or 16 * warps * reps > PAD_N or tiles not in (1, 2, 4, 8)
+            or not isinstance(stages, int) or stages < 2):
+        raise ValueError(f"config: MMA needs num_warps 1-8 (16 x num_warps x {reps} rows at most {PAD_N}), TILES 1, "
+                         f"2, 4 or 8 and num_stages >= 2; got {plan}")
+    return warps, tiles, stages
+
+
+def _down_mma(inter: torch.Tensor, w: QuantizedExperts, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              plan: dict) -> torch.Tensor:
+    """`mma._down_mma_kernel` of `inter` [P, I] (the activations' dtype): one program per (token, slot) pair, 16 x
+    num_warps x REPS output rows and K split (SPLIT_K); returns the pairs' weighted outputs [P, H], or [splits, P,
+    H] fp32 partial sums for the combine."""
+    from .mma import _down_mma_kernel
+
+    reps = plan.get("REPS", 1)
+    if reps not in (1, 2):
+        raise ValueError(f"config: MMA's REPS must be 1 or 2, got {reps!r}")
+    warps, tiles, stages = _mma_plan(plan, reps)
+    (num_pairs, intermediate), hidden = inter.shape, w.shape[0]
+    if intermediate % 16:  # the ring copies the intermediate's rows in 16-byte pieces
+        raise ValueError(f"config: the down MMA needs an intermediate size that is a multiple of 16, got "
+                         f"{intermediate}")
+    _, strides, fmt = _weight_args(w)
+    num_tiles = triton.cdiv(intermediate, 128)
+    per_split = triton.cdiv(num_tiles, plan.get("SPLIT_K", 1))
+    splits = triton.cdiv(num_tiles, per_split)
+    pair_out = (torch.empty(num_pairs, hidden, dtype=inter.dtype, device=inter.device) if splits == 1 else
+                torch.empty(splits, num_pairs, hidden, dtype=torch.float32, device=inter.device))
+    pdl = _pdl(plan, inter.device)
+    _down_mma_kernel[(num_pairs, triton.cdiv(hidden, 16 * warps * reps), splits)](
+        inter, w.qweight, w.scales, _or(w.zeros, w.scales), pair_out, topk_ids, topk_weights, hidden, intermediate,
+        w.num_experts, per_split, inter.stride(0), *strides, pair_out.stride(-2),
+        pair_out.stride(0) if splits > 1 else 0, GROUP=128 if fmt["GROUP"] == -1 else fmt["GROUP"],
+        PER_CHANNEL=fmt["GROUP"] == -1, HAS_ZERO=fmt["HAS_ZERO"], REPS=reps, TILES=tiles, STAGES=stages,
+        MASK_K=intermediate % 128 != 0, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+    )
+    return pair_out
 
 
 def _streams(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, shared_gu: torch.Tensor,

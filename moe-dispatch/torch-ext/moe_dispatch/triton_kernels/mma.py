@@ -1,6 +1,7 @@
-"""The 4-bit experts' gate/up GEMV on tensor cores (`_gate_up_mma_kernel`): w4a16's mma GEMV loop
-(`mma_gemv._mma_acc`, the module byte for byte) over one (token, slot) pair's expert, a program's first half of
-rows the gate's and its second half the same rows of up, so that each thread holds both of a row's sums.
+"""The 4-bit experts' GEMVs on tensor cores (`_gate_up_mma_kernel`, `_down_mma_kernel`): w4a16's mma GEMV loop
+(`mma_gemv._mma_acc`, the module byte for byte) over one (token, slot) pair's expert; in the gate/up GEMV a
+program's first half of rows is the gate's and its second half the same rows of up, so that each thread holds both
+of a row's sums.
 
 The packed-fp16 GEMV issues 2.7 instructions a weight on Mixtral's gate/up (sm_90a SASS, docs/design/
 moe-dispatch.md, session 40): the product with x, the halves' sum, the widening and the scale of each word. Here the
@@ -49,3 +50,38 @@ def _gate_up_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr, H, I, nu
         m = gl.arange(0, 8, layout=gl.SliceLayout(0, out_layout))
         gl.store(inter_ptr + p.to(gl.int64) * stride_it + n[:, None] + m[None, :] * 0,
                  act.to(inter_ptr.dtype.element_ty), mask=(n < I)[:, None] & (m == 0)[None, :])
+
+
+@gluon.jit
+def _down_mma_kernel(inter_ptr, w_ptr, s_ptr, z_ptr, pair_out_ptr, ids_ptr, topk_w_ptr, H, I, num_experts, per_split,
+                     stride_it, stride_we, stride_wn, stride_se, stride_sg, stride_pt, stride_split,
+                     GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, REPS: gl.constexpr,
+                     TILES: gl.constexpr, STAGES: gl.constexpr, MASK_K: gl.constexpr, PDL: gl.constexpr):
+    """pair_out[split, p, n] = topk_weight[p] * (pair p's intermediate row through its expert's down rows n), 16 x
+    warps x REPS rows n from program_id(1) on, over split program_id(2)'s K-tiles (`per_split` of them: the combine
+    adds the splits' fp32 partial sums; one split stores in pair_out's dtype). PDL: a programmatic dependent of
+    the gate/up GEMV, and the combine's."""
+    WARPS: gl.constexpr = gl.num_warps()
+    BLOCK_N: gl.constexpr = 16 * WARPS * REPS
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    p = gl.program_id(0)
+    split = gl.program_id(2)
+    e = gl.load(ids_ptr + p)
+    if (e >= 0) & (e < num_experts):
+        e64 = e.to(gl.int64)
+        off_n = gl.program_id(1) * BLOCK_N
+        tile0 = split * per_split
+        acc = _mma_acc(inter_ptr + p.to(gl.int64) * stride_it, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
+                       z_ptr + e64 * stride_se, 0, 1, I, off_n, 0, tile0,
+                       gl.minimum(per_split, gl.cdiv(I, 128) - tile0), stride_it, stride_wn, stride_sg, None, None,
+                       GROUP, PER_CHANNEL, HAS_ZERO, False, None, 0, False, 8, REPS, TILES, MASK_K, True, STAGES,
+                       False)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [WARPS, 1], [0, 1])
+        result = gl.convert_layout(acc, out_layout) * gl.load(topk_w_ptr + p).to(gl.float32)
+        n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
+        m = gl.arange(0, 8, layout=gl.SliceLayout(0, out_layout))
+        gl.store(pair_out_ptr + split.to(gl.int64) * stride_split + p.to(gl.int64) * stride_pt + n[:, None]
+                 + m[None, :] * 0, result.to(pair_out_ptr.dtype.element_ty), mask=(n < H)[:, None] & (m == 0)[None, :])
