@@ -65,6 +65,24 @@ def rel_error(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+def decode_case(k, E, H, I, name, seed, dtype, T, top_k=8):
+    """Experts of format `name`, T tokens of x (times 4) and their routing; from T = 2 on, token 1's slots all
+    name expert E: it selects nothing."""
+    (q_gate_up, q_down), g = layer(k, E, H, I, name, seed=seed, dtype=dtype)
+    x = (torch.randn(T, H, device="cuda", generator=g) * 4).to(dtype)
+    weights, ids = routing(T, E, top_k)
+    if T > 1:
+        ids[1] = E
+    return q_gate_up, q_down, x, weights, ids
+
+
+def picked_reference(k, x, q_gate_up, q_down, weights, ids):
+    """`experts_float64` of the dequantized experts with the slots that select nothing (ids >= E) weighing 0."""
+    E = q_gate_up.num_experts
+    return experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32),
+                           weights * (ids < E), ids.clamp(max=E - 1))
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("T,skewed", [(1, False), (4, True), (5, False), (16, True), (300, False), (1200, True)])
 def test_fused_experts_4bit(k, name, T, skewed):
@@ -135,19 +153,14 @@ def test_decode_overlap_bit_equal(k, variant, name, dtype, T):
     """Each variant against the shipped plan (`PACKED_PLANS["tma"]`, dependent launches, with the variant's block
     sizes) on Qwen3-30B-A3B's expert size: five calls and five CUDA-graph replays, each into a NaN-poisoned output,
     all bit-equal to the shipped plan's; within TOL of float64. T = 3 has a token whose pairs select nothing."""
-    E, H, I, top_k = 16, 2048, 768, 8
-    (q_gate_up, q_down), g = layer(k, E, H, I, name, seed=5, dtype=dtype)
-    x = (torch.randn(T, H, device="cuda", generator=g) * 4).to(dtype)
-    weights, ids = routing(T, E, top_k)
-    if T > 1:
-        ids[1] = E  # selects nothing
+    q_gate_up, q_down, x, weights, ids = decode_case(k, 16, 2048, 768, name, 5, dtype, T)
     plan = {**PACKED_PLANS["tma"], "PDL": True}
     up, down = OVERLAP_VARIANTS[variant]
     sizes = {key: value for key, value in down.items() if key in SIZES}
     shipped = {"GEMV": True, "gate_up": plan, "down": {**plan, **sizes}}
     trial = {"GEMV": True, "gate_up": {**plan, **up}, "down": {**plan, **down}}
     tk = k.ops.triton_kernels
-    expected = torch.full((T, H), float("nan"), device="cuda", dtype=dtype)
+    expected = torch.full(x.shape, float("nan"), device="cuda", dtype=dtype)
     tk.experts(x, q_gate_up, q_down, weights, ids, expected, config=shipped)
     out = torch.empty_like(expected)
 
@@ -167,12 +180,9 @@ def test_decode_overlap_bit_equal(k, variant, name, dtype, T):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
-    kept = weights * (ids < E)
-    ref = experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32), kept,
-                          ids.clamp(max=E - 1))
     if T > 1:
         assert not out[1].any()
-    assert rel_error(out, ref) <= TOL
+    assert rel_error(out, picked_reference(k, x, q_gate_up, q_down, weights, ids)) <= TOL
 
 
 MMA_PLANS = {  # the tensor-core gate/up GEMV's plans (`launch._gate_up_mma`): warps, K-tiles an iteration, ring
@@ -193,11 +203,7 @@ def test_mma_gate_up(k, plan, name, dtype, H, T):
     I=768, top-8, H past a loop step's last tile (1920: 15 tiles), past the last tile's columns (1936), and in
     groups of 256. Then the whole layer through `experts` within TOL of float64 (T = 3: a token picks nothing)."""
     E, I, top_k = 16, 768, 8
-    (q_gate_up, q_down), g = layer(k, E, H, I, name, seed=7, dtype=dtype)
-    x = (torch.randn(T, H, device="cuda", generator=g) * 4).to(dtype)
-    weights, ids = routing(T, E, top_k)
-    if T > 1:
-        ids[1] = E  # selects nothing
+    q_gate_up, q_down, x, weights, ids = decode_case(k, E, H, I, name, 7, dtype, T, top_k)
     tk = k.ops.triton_kernels
     assert tk.launch.mma_gemv_supported(x, q_gate_up)
     inter = torch.full((T * top_k, I), float("nan"), device="cuda")
@@ -218,10 +224,7 @@ def test_mma_gate_up(k, plan, name, dtype, H, T):
     else:  # the fp32 down GEMV: no early trigger for it
         up, down = {key: v for key, v in up.items() if key != "PDL_TRIGGER"}, PACKED_PLANS["plain"]
     tk.experts(x, q_gate_up, q_down, weights, ids, out, config={"GEMV": True, "gate_up": up, "down": down})
-    kept = weights * (ids < E)
-    ref = experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32), kept,
-                          ids.clamp(max=E - 1))
-    assert rel_error(out, ref) <= TOL
+    assert rel_error(out, picked_reference(k, x, q_gate_up, q_down, weights, ids)) <= TOL
 
 
 MMA_DOWN_PLANS = {
@@ -239,18 +242,11 @@ def test_mma_down(k, plan, name, dtype, I, T):
     output, within TOL of float64: E=16, H=2000 (output rows past the last full row block), top-8, I past a loop
     step's last tile (768: 6 tiles) or past the last tile's columns (800); split over K or not. T = 3: a token
     picks nothing."""
-    E, H, top_k = 16, 2000, 8
-    (q_gate_up, q_down), g = layer(k, E, H, I, name, seed=9, dtype=dtype)
-    x = (torch.randn(T, H, device="cuda", generator=g) * 4).to(dtype)
-    weights, ids = routing(T, E, top_k)
-    if T > 1:
-        ids[1] = E  # selects nothing
+    q_gate_up, q_down, x, weights, ids = decode_case(k, 16, 2000, I, name, 9, dtype, T)
     tk = k.ops.triton_kernels
-    kept = weights * (ids < E)
-    ref = experts_float64(x, k.dequantize(q_gate_up, torch.float32), k.dequantize(q_down, torch.float32), kept,
-                          ids.clamp(max=E - 1))
+    ref = picked_reference(k, x, q_gate_up, q_down, weights, ids)
     for up in (MMA_PLANS["w2-t8-s3"], PACKED_PLANS["plain"]):
-        out = torch.full((T, H), float("nan"), device="cuda", dtype=dtype)
+        out = torch.full(x.shape, float("nan"), device="cuda", dtype=dtype)
         tk.experts(x, q_gate_up, q_down, weights, ids, out, config={"GEMV": True, "gate_up": up,
                                                                        "down": MMA_DOWN_PLANS[plan]})
         if T > 1:
