@@ -4,7 +4,7 @@
     python scripts/make_fixtures.py moe-dispatch gptqmodel
 
 What each tool makes: tests/fixtures/<kernel>/maker.py (w4a16: gptqmodel, llmcompressor, autoawq; moe-dispatch:
-gptqmodel).
+gptqmodel, llmcompressor).
 """
 
 import argparse

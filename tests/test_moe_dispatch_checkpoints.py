@@ -1,13 +1,13 @@
-"""moe-dispatch's GPTQ experts importer against checkpoints made by GPTQModel itself (CPU).
+"""moe-dispatch's experts importer against checkpoints made by GPTQModel and llm-compressor themselves (CPU).
 
 The fixtures (tests/fixtures/moe_dispatch/, made by tests/fixtures/moe_dispatch/maker.py through
-scripts/make_fixtures.py moe-dispatch) are a tiny random Mixtral and a tiny random Qwen3-MoE quantized by
-GPTQModel from random-token calibration, with the logits GPTQModel's own CPU inference computed from the
-saved folder. Here `load_quantized_experts` puts the experts into moe-dispatch's 4-bit format and they run
+scripts/make_fixtures.py moe-dispatch) are a tiny random Mixtral and a tiny random Qwen3-MoE quantized by each
+tool from random-token calibration (GPTQ, compressed-tensors pack-quantized), with the logits of the tool's own
+CPU inference. Here `load_quantized_experts` puts the experts into moe-dispatch's 4-bit format and they run
 in its kernels (Triton through the interpreter, and the PyTorch path); attention, whose quantized linears
-moe-dispatch does not take, is dequantized with the plain GPTQ formula in this file, as GPTQModel's
-TorchLinear does, and everything else is loaded as stored. Every parameter of the model is NaN before
-loading, so anything left unloaded shows in the logits.
+moe-dispatch does not take, is dequantized with the plain formulas in this file ((q - zero) * scale), and
+everything else is loaded as stored. Every parameter of the model is NaN before loading, so anything left
+unloaded shows in the logits.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import pytest
 import torch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "moe_dispatch"
-GPTQMODEL = ["mixtral-gptq-g32-sym", "qwen3-moe-gptq-g64-asym-actorder-static"]
+TOOL_FIXTURES = [("gptqmodel", "mixtral-gptq-g32-sym"), ("gptqmodel", "qwen3-moe-gptq-g64-asym-actorder-static"),
+                 ("llmcompressor", "mixtral-llmcompressor-g32-sym"),
+                 ("llmcompressor", "qwen3-moe-llmcompressor-g64-asym")]
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +62,41 @@ def dequantize_gptq(parts: dict, sym: bool, checkpoint_format: str) -> torch.Ten
     return weight.t().to(torch.float16)
 
 
+def dequantize_compressed_tensors(parts: dict) -> torch.Tensor:
+    """A compressed-tensors pack-quantized linear's float16 weight [N, K]: (q - zero) * scale per group, q and
+    zero the stored nibbles (signed values plus 8; zero 8 when symmetric), one rounding to float16."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    n, k = parts["weight_shape"].tolist()
+    codes = ((parts["weight_packed"].unsqueeze(-1) >> shifts) & 0xF).flatten(-2)[:, :k]  # [N, K]
+    scale = parts["weight_scale"]  # [N, G]
+    zero = torch.full(scale.shape, 8, dtype=torch.int32)
+    if "weight_zero_point" in parts:
+        zero = ((parts["weight_zero_point"].t().unsqueeze(-1) >> shifts) & 0xF).flatten(-2)[:, :n].t()
+    group = k // scale.shape[1]
+    weight = (codes - zero.repeat_interleave(group, 1)).float() * scale.repeat_interleave(group, 1).float()
+    return weight.to(torch.float16)
+
+
 def load(k, folder: Path, model=None):
     """The fixture's model: experts through moe-dispatch, the rest from the checkpoint in plain torch."""
     model = build_model(folder) if model is None else model
     consumed = set(k.load_quantized_experts(model, folder))
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
-    tensors = {name: t for name, t in read_tensors(folder).items() if name not in consumed}
-    linears = sorted(name.removesuffix(".qweight") for name in tensors if name.endswith(".qweight"))
+    # Mixtral's router in transformers 4 names (llm-compressor saves them so) is the model's mlp.gate
+    tensors = {name.replace(".block_sparse_moe.", ".mlp."): t for name, t in read_tensors(folder).items()
+               if name not in consumed}
     state = {}
-    for prefix in linears:
-        parts = {part: tensors.pop(f"{prefix}.{part}") for part in ("qweight", "qzeros", "scales", "g_idx")}
-        state[f"{prefix}.weight"] = dequantize_gptq(parts, qc["sym"], qc["checkpoint_format"])
+    if qc["quant_method"] == "gptq":
+        for prefix in sorted(name.removesuffix(".qweight") for name in tensors if name.endswith(".qweight")):
+            parts = {part: tensors.pop(f"{prefix}.{part}") for part in ("qweight", "qzeros", "scales", "g_idx")}
+            state[f"{prefix}.weight"] = dequantize_gptq(parts, qc["sym"], qc["checkpoint_format"])
+    else:
+        packed = sorted(name.removesuffix(".weight_packed") for name in tensors if name.endswith(".weight_packed"))
+        for prefix in packed:
+            parts = {part: tensors.pop(f"{prefix}.{part}") for part in
+                     ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+                     if f"{prefix}.{part}" in tensors}
+            state[f"{prefix}.weight"] = dequantize_compressed_tensors(parts)
     state.update(tensors)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
@@ -97,11 +123,11 @@ def run_logits(k, model, input_ids, monkeypatch) -> torch.Tensor:
     return logits
 
 
-# Tolerance against GPTQModel's logits. Both sides compute with the same float16 weights (the checkpoint's
-# codes, zero points and scales: GPTQModel's TorchLinear dequantizes (q - zero) * scale to float16 and
-# matmuls; moe-dispatch's kernels dequantize the same values in registers, the test's attention the same way
-# in plain torch), so the difference is float16 rounding of the activations in a different order (grouped
-# experts, summed in another order, fp32 accumulators in other places): a few roundings of 2^-11 relative
+# Tolerance against the tools' logits. Both sides compute with the same float16 weights (the checkpoint's
+# codes, zero points and scales: GPTQModel's TorchLinear and compressed-tensors' quantize-dequantize forward
+# make (q - zero) * scale in float16 and matmul; moe-dispatch's kernels dequantize the same values in
+# registers, the test's attention the same way in plain torch), so the difference is float16 rounding of the
+# activations in a different order (grouped experts, summed in another order, fp32 accumulators in other places): a few roundings of 2^-11 relative
 # per layer, two layers, ~1e-3 of the logits' norm. 1e-2 relative (and 4x that against the max for any
 # element) leaves room for that and is still far below what a wrong expert costs (the experts rolled by one,
 # measured below, move the logits by ~0.3-0.5 relative).
@@ -112,17 +138,19 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-@pytest.mark.parametrize("name", GPTQMODEL)
-def test_gptqmodel_moe_matches_tool_logits(k, path, monkeypatch, name):
-    folder = FIXTURES / "gptqmodel" / name
+@pytest.mark.parametrize("tool,name", TOOL_FIXTURES, ids=[name for _, name in TOOL_FIXTURES])
+def test_moe_matches_tool_logits(k, path, monkeypatch, tool, name):
+    folder = FIXTURES / tool / name
     reference = json.loads((folder / "reference.json").read_text())
     model = load(k, folder)
     for layer in model.model.layers:
         assert isinstance(layer.mlp.experts.gate_up_proj, k.QuantizedExperts)
         assert isinstance(layer.mlp.experts.down_proj, k.QuantizedExperts)
     settings = reference["settings"]
+    group_size, sym = ((settings["group_size"], settings["sym"]) if tool == "gptqmodel" else
+                       (settings["weights"]["group_size"], settings["weights"]["symmetric"]))
     gate_up = model.model.layers[0].mlp.experts.gate_up_proj
-    assert gate_up.group_size == settings["group_size"] and (gate_up.zeros is None) == settings["sym"]
+    assert gate_up.group_size == group_size and (gate_up.zeros is None) == sym
     logits = run_logits(k, model, torch.tensor(reference["input_ids"]), monkeypatch)
     ref = torch.tensor(reference["logits"])
     assert torch.isfinite(logits).all()
@@ -196,6 +224,36 @@ def test_experts_are_exact(k, folder):
                 prefix = f"model.layers.{i}.mlp.experts.{e}.{proj}"
                 return dequantize_gptq({p: tensors[f"{prefix}.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx")},
                                        qc["sym"], qc["checkpoint_format"])
+
+            assert torch.equal(k.dequantize(gate_up, torch.float16)[e],
+                               torch.cat([plain("gate_proj"), plain("up_proj")]))
+            assert torch.equal(k.dequantize(down, torch.float16)[e], plain("down_proj"))
+
+
+MIXTRAL_CT = FIXTURES / "llmcompressor" / "mixtral-llmcompressor-g32-sym"
+QWEN3_CT = FIXTURES / "llmcompressor" / "qwen3-moe-llmcompressor-g64-asym"
+CT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+
+
+@pytest.mark.parametrize("folder", [MIXTRAL_CT, QWEN3_CT], ids=["mixtral", "qwen3-moe"])
+def test_compressed_tensors_experts_are_exact(k, folder):
+    """Every expert of an llm-compressor checkpoint dequantizes to exactly the float16 weights of the plain
+    compressed-tensors formula (no re-rounding), under the transformers 4 Mixtral names llm-compressor writes
+    (block_sparse_moe) or transformers 5's."""
+    model = build_model(folder)
+    consumed = k.load_quantized_experts(model, folder)
+    tensors = read_tensors(folder)
+    sym = "weight_zero_point" not in "".join(tensors)
+    experts = model.config.num_local_experts if hasattr(model.config, "num_local_experts") else model.config.num_experts
+    assert len(consumed) == model.config.num_hidden_layers * experts * 3 * (3 if sym else 4)
+    for i, (gate_up, down) in enumerate(experts_of(model)):
+        assert (gate_up.zeros is None) == sym and (down.zeros is None) == sym
+        for e in range(experts):
+            def plain(proj):
+                prefix = next(f"model.layers.{i}.{block}.experts.{e}.{proj}" for block in ("mlp", "block_sparse_moe")
+                              if f"model.layers.{i}.{block}.experts.{e}.{proj}.weight_packed" in tensors)
+                return dequantize_compressed_tensors({p: tensors[f"{prefix}.{p}"] for p in CT_PARTS
+                                                      if f"{prefix}.{p}" in tensors})
 
             assert torch.equal(k.dequantize(gate_up, torch.float16)[e],
                                torch.cat([plain("gate_proj"), plain("up_proj")]))
@@ -280,6 +338,18 @@ BAD_CHECKPOINTS = [
     ("extra-expert", MIXTRAL,
      lambda t: t.update({f"model.layers.0.mlp.experts.4.{p}": t[f"model.layers.0.mlp.experts.3.{p}"].clone()
                          for p in ("gate_proj.qweight",)}), None, r"experts\.4\.gate_proj\.qweight but the model"),
+    ("ct-actorder-group", QWEN3_CT, lambda t: t.update({"model.layers.0.mlp.experts.2.up_proj.weight_g_idx": (
+        torch.arange(127, -1, -1) // 64).to(torch.int32)}), None, r"experts\.2\.up_proj\.weight_g_idx is an act-order"),
+    ("ct-8-bit", MIXTRAL_CT, None, lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=8),
+     r"config_groups\.group_0\.weights\.num_bits = 8"),
+    ("ct-activations", MIXTRAL_CT, None, lambda qc: qc["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "float"}), r"group_0\.input_activations"),
+    ("ct-dense-format", MIXTRAL_CT, None, lambda qc: qc.update(format="int-quantized"), r"format = 'int-quantized'"),
+    ("ct-some-zero-points", QWEN3_CT, lambda t: t.pop("model.layers.1.mlp.experts.0.down_proj.weight_zero_point"),
+     None, r"layers\.1\.mlp\.experts: some experts' projections have zero points and others not"),
+    ("ct-shape", QWEN3_CT, lambda t: t.update({"model.layers.0.mlp.experts.1.gate_proj.weight_shape":
+                                                 torch.tensor([128, 256])}), None,
+     r"experts\.1\.gate_proj\.weight_shape must be \[128, 128\]"),
     ("scales-int", MIXTRAL,
      lambda t: t.update({"model.layers.0.mlp.experts.0.down_proj.scales":
                          t["model.layers.0.mlp.experts.0.down_proj.scales"].to(torch.int32)}), None,

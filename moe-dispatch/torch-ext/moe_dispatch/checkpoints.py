@@ -1,31 +1,39 @@
-"""Load a GPTQ checkpoint's quantized MoE experts into moe-dispatch's 4-bit experts (`QuantizedExperts`).
+"""Load a quantized checkpoint's MoE experts (GPTQ, compressed-tensors) into moe-dispatch's 4-bit experts
+(`QuantizedExperts`).
 
 `load_quantized_experts(model, folder)` takes a transformers MoE model built from the checkpoint's config
 (Mixtral, Qwen3-MoE and other models whose routed experts are one ``*Experts`` module with
 ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``; parameters on the meta device or anywhere) and the
-checkpoint folder, reads every expert's GPTQ tensors, converts them exactly (the checkpoint's own codes,
+checkpoint folder, reads every expert's tensors, converts them exactly (the checkpoint's own codes,
 scales and zero points, only re-laid out: nothing is rounded again) and puts them in place of the module's
 ``gate_up_proj`` / ``down_proj`` as `quantize_experts_module` does. The experts then run in moe-dispatch's
 4-bit kernels through `experts_forward` (``ExpertsInterface`` or ``kernels.kernelize``). The names of the
 checkpoint tensors it read are returned: everything else (attention, router, norms, embeddings) is left
 for the caller to load; moe-dispatch handles the routed experts only.
 
-Supported: GPTQ as GPTQModel and AutoGPTQ write it (``quant_method: gptq``; ``quantization_config`` in
-config.json or a quantize_config.json), 4 bits, int32 packing, tensor layout ``gptq`` (v1: zero points
-stored minus 1) or ``gptq_v2``, symmetric (every zero point 8, dropped) or with zero points, groups of
-32, 64, a multiple of 128 or per channel, one safetensors file or an index of shards. Per expert e and
-projection the tensors ``<experts>.<e>.<proj>.{qweight, qzeros, scales, g_idx}``: qweight int32
-``[K/8, N]`` packed along K (nibble i of word r is row 8r + i), qzeros int32 ``[G, N/8]`` packed along N,
-scales ``[G, N]``, g_idx ``[K]``; projections ``gate_proj`` / ``up_proj`` / ``down_proj`` (GPTQModel,
-transformers 5 names) or Mixtral's ``w1`` / ``w3`` / ``w2``, under the model's experts module or, for
-Mixtral checkpoints of older transformers, under ``block_sparse_moe.experts``.
+Supported, per expert e and projection (``gate_proj`` / ``up_proj`` / ``down_proj``, transformers 5 and the
+tools' names, or Mixtral's ``w1`` / ``w3`` / ``w2``; under the model's experts module or, for Mixtral
+checkpoints of older transformers, under ``block_sparse_moe.experts``), one safetensors file or an index of
+shards:
+- GPTQ as GPTQModel and AutoGPTQ write it (``quant_method: gptq``; ``quantization_config`` in config.json or a
+  quantize_config.json), 4 bits, int32 packing, tensor layout ``gptq`` (v1: zero points stored minus 1) or
+  ``gptq_v2``, symmetric (every zero point 8, dropped) or with zero points: ``<experts>.<e>.<proj>.{qweight,
+  qzeros, scales, g_idx}``, qweight int32 ``[K/8, N]`` packed along K (nibble i of word r is row 8r + i), qzeros
+  int32 ``[G, N/8]`` packed along N, scales ``[G, N]``, g_idx ``[K]``.
+- compressed-tensors ``pack-quantized`` as llm-compressor writes it (``quant_method: compressed-tensors``,
+  saved compressed), 4-bit integer weights in groups or per channel, symmetric or with zero points:
+  ``<experts>.<e>.<proj>.{weight_packed, weight_scale, weight_shape, weight_zero_point, weight_g_idx}``,
+  weight_packed int32 ``[N, K/8]`` packed along K (the signed code plus 8), weight_scale ``[N, G]``,
+  weight_zero_point int32 ``[N/8, G]`` packed along N.
+Group sizes 32, 64, a multiple of 128 or per channel.
 
 Refused with a ValueError naming the config field or the tensor, never approximated: other methods and
-bit widths (3-bit, 8-bit), kernel-specific layouts (marlin, exllama, bitblas), other pack dtypes,
-act-order checkpoints whose g_idx is not the natural ``k // group_size`` (``desc_act`` without
-``static_groups``: the fused kernels read one shared activation row for every expert, and this format has
-no per-expert column permutation), group sizes the kernels do not take, gate and up projections of one
-expert with different group sizes, zero points the format cannot hold (v1's stored 15, i.e. 16), expert
+bit widths (3-bit, 8-bit), kernel-specific layouts (marlin, exllama, bitblas), other pack dtypes, quantized
+activations, act-order checkpoints whose group index is not the natural ``k // group_size`` (``desc_act``
+without ``static_groups``, compressed-tensors' ``actorder: group``: the fused kernels read one shared
+activation row for every expert, and this format has no per-expert column permutation), group sizes the
+kernels do not take, gate and up projections of one expert with different group sizes, experts of one module
+with and without zero points, zero points the format cannot hold (GPTQ v1's stored 15, i.e. 16), expert
 biases, missing or extra experts, and shapes that do not match the model.
 """
 
@@ -46,7 +54,10 @@ _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 # (gate, up, down) projection names per naming scheme: transformers 5 / GPTQModel, Mixtral's original.
 _PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+# The tensors of one projection per method: (required, optional); the first names the quantized experts.
+_PARTS = {"gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
+          "compressed-tensors": (("weight_packed", "weight_scale", "weight_shape"),
+                                 ("weight_zero_point", "weight_g_idx"))}
 
 
 def _read_json(path: str) -> dict:
@@ -59,9 +70,10 @@ def _require(condition: bool, field: str, value, supported: str) -> None:
         raise ValueError(f"quantization_config.{field} = {value!r} is not supported: {supported}")
 
 
-def read_gptq_config(folder) -> dict:
-    """The folder's GPTQ settings ``{"sym": bool, "checkpoint_format": "gptq" | "gptq_v2"}``; a ValueError
-    naming the config field for anything `load_quantized_experts` does not read exactly."""
+def read_quant_config(folder) -> dict:
+    """The folder's quantization settings: ``{"method": "gptq", "sym": bool, "checkpoint_format": "gptq" |
+    "gptq_v2"}`` or ``{"method": "compressed-tensors"}``; a ValueError naming the config field for anything
+    `load_quantized_experts` does not read exactly."""
     folder = os.fspath(folder)
     qc = None
     config_path = os.path.join(folder, "config.json")
@@ -72,9 +84,15 @@ def read_gptq_config(folder) -> dict:
         qc.setdefault("quant_method", "gptq")
     if qc is None:
         raise ValueError(f"{folder} has no quantization_config in config.json and no quantize_config.json: not a "
-                         f"GPTQ checkpoint folder")
+                         f"quantized checkpoint folder")
     method = str(qc.get("quant_method")).lower()
-    _require(method == "gptq", "quant_method", qc.get("quant_method"), "only GPTQ checkpoints are read")
+    readers = {"gptq": _gptq_settings, "compressed-tensors": _compressed_tensors_settings}
+    _require(method in readers, "quant_method", qc.get("quant_method"),
+             f"the methods read are {', '.join(readers)}")
+    return {"method": method, **readers[method](qc)}
+
+
+def _gptq_settings(qc: dict) -> dict:
     bits = qc.get("bits")
     _require(bits == 4, "bits", bits, "moe-dispatch holds 4-bit experts only")
     formats = {key: qc[key] for key in ("checkpoint_format", "format") if key in qc}
@@ -101,6 +119,33 @@ def read_gptq_config(folder) -> dict:
     _require(qc.get("model_file_base_name") is None, "model_file_base_name", qc.get("model_file_base_name"),
              f"weights must be in {_SINGLE} or shards listed in {_INDEX}")
     return {"sym": sym, "checkpoint_format": next(iter(formats.values()), "gptq")}
+
+
+def _compressed_tensors_settings(qc: dict) -> dict:
+    fmt = qc.get("format")
+    _require(fmt == "pack-quantized", "format", fmt, "only compressed-tensors 'pack-quantized' int4")
+    status = qc.get("quantization_status")
+    _require(status == "compressed", "quantization_status", status, "the weights must be saved compressed")
+    for field in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        _require(not qc.get(field), field, qc.get(field), "only weight quantization is read")
+    groups = qc.get("config_groups") or {}
+    _require(bool(groups), "config_groups", groups, "at least one quantization scheme is needed")
+    for name, group in groups.items():
+        where = f"config_groups.{name}"
+        group_format = group.get("format") or fmt
+        _require(group_format == "pack-quantized", f"{where}.format", group_format,
+                 "only compressed-tensors 'pack-quantized' int4")
+        for acts in ("input_activations", "output_activations"):
+            _require(group.get(acts) is None, f"{where}.{acts}", group.get(acts),
+                     "moe-dispatch's 4-bit experts quantize weights only (16-bit activations)")
+        weights = group.get("weights") or {}
+        checks = (("num_bits", weights.get("num_bits") == 4, "moe-dispatch holds 4-bit experts only"),
+                  ("type", weights.get("type") == "int", "integer weights only"),
+                  ("strategy", weights.get("strategy") in ("group", "channel"), "group or channel scales only"),
+                  ("dynamic", not weights.get("dynamic"), "static (stored) scales only"))
+        for field, ok, supported in checks:
+            _require(ok, f"{where}.weights.{field}", weights.get(field), supported)
+    return {}
 
 
 def _shard_files(folder: str) -> list[str]:
@@ -145,31 +190,44 @@ def _check(name: str, t: torch.Tensor, dtypes, shape: tuple) -> None:
         raise ValueError(f"{name} must have shape {shape} for the model's experts, got {tuple(t.shape)}")
 
 
+def _group_size(name: str, groups: int, k: int) -> int:
+    """The group size of `groups` scale groups over K (-1: one group, per channel), refused by `name` unless the
+    kernels take it."""
+    if groups <= 0 or k % groups:
+        raise ValueError(f"{name} has {groups} groups, which do not divide K = {k}")
+    group_size = -1 if groups == 1 else k // groups
+    try:
+        check_group_size(group_size, k)
+    except ValueError as error:
+        raise ValueError(f"{name}: group size {group_size} (K = {k} over {groups} groups) is not one the 4-bit "
+                         f"kernels take: {error}") from None
+    return group_size
+
+
+def _check_natural_order(name: str, g_idx: Optional[torch.Tensor], k: int, group_size: int) -> None:
+    """A stored group index must be the natural ``k // group_size``: act order permutes columns per expert."""
+    if g_idx is None:
+        return
+    _check(name, g_idx, (torch.int32, torch.int64), (k,))
+    natural = torch.arange(k, device=g_idx.device) // (k if group_size == -1 else group_size)
+    if not torch.equal(g_idx.long(), natural):
+        raise ValueError(f"{name} is an act-order group index, not the natural k // "
+                         f"{group_size if group_size != -1 else k}: moe-dispatch's experts share one activation row "
+                         f"and cannot permute input columns per expert")
+
+
 def _decode_gptq(prefix: str, parts: dict, n: int, k: int, sym: bool, checkpoint_format: str):
     """One GPTQ projection [N, K] -> (qweight words int32 [K / 8, N] as stored, scales [G, N], zeros uint8
     [G, N] or None, group_size)."""
-    qweight, qzeros, scales, g_idx = (parts.get(p) for p in _PARTS)
+    qweight, qzeros, scales, g_idx = (parts.get(p) for p in ("qweight", "qzeros", "scales", "g_idx"))
     _check(f"{prefix}.qweight", qweight, (torch.int32,), (k // 8, n))
     if scales.dtype not in FLOAT_DTYPES or scales.dim() != 2 or scales.shape[1] != n:
         raise ValueError(f"{prefix}.scales must be a float tensor of shape [groups, {n}], got {scales.dtype} "
                          f"{tuple(scales.shape)}")
     groups = scales.shape[0]
-    if groups <= 0 or k % groups:
-        raise ValueError(f"{prefix}.scales has {groups} groups, which do not divide K = {k}")
-    group_size = -1 if groups == 1 else k // groups
-    try:
-        check_group_size(group_size, k)
-    except ValueError as error:
-        raise ValueError(f"{prefix}.scales: group size {group_size} (K = {k} over {groups} groups) is not one the "
-                         f"4-bit kernels take: {error}") from None
+    group_size = _group_size(f"{prefix}.scales", groups, k)
     _check(f"{prefix}.qzeros", qzeros, (torch.int32,), (groups, -(-n // 8)))
-    if g_idx is not None:
-        _check(f"{prefix}.g_idx", g_idx, (torch.int32, torch.int64), (k,))
-        natural = torch.arange(k, device=g_idx.device) // (k if group_size == -1 else group_size)
-        if not torch.equal(g_idx.long(), natural):
-            raise ValueError(f"{prefix}.g_idx is an act-order group index (desc_act without static_groups), not "
-                             f"the natural k // {group_size if group_size != -1 else k}: moe-dispatch's experts share "
-                             f"one activation row and cannot permute input columns per expert")
+    _check_natural_order(f"{prefix}.g_idx", g_idx, k, group_size)
     zeros = _nibbles(qzeros).flatten(-2)[:, :n]  # [G, N]
     if checkpoint_format == "gptq":
         zeros = zeros + 1
@@ -186,6 +244,27 @@ def _decode_gptq(prefix: str, parts: dict, n: int, k: int, sym: bool, checkpoint
     return qweight, scales, zeros.to(torch.uint8), group_size
 
 
+def _decode_compressed_tensors(prefix: str, parts: dict, n: int, k: int):
+    """One compressed-tensors pack-quantized projection [N, K] -> (words int32 [K / 8, N], scales [G, N], zeros
+    uint8 [G, N] or None, group_size). Codes are the signed values plus 8, so symmetric weights are exactly the
+    implicit zero point 8, and a stored zero point (signed plus 8) pairs with the stored codes as it is."""
+    packed, scale, shape = parts["weight_packed"], parts["weight_scale"], parts["weight_shape"]
+    if shape.numel() != 2 or tuple(int(v) for v in shape.tolist()) != (n, k):
+        raise ValueError(f"{prefix}.weight_shape must be {[n, k]} for the model's experts, got {shape.tolist()}")
+    _check(f"{prefix}.weight_packed", packed, (torch.int32,), (n, k // 8))
+    if scale.dtype not in FLOAT_DTYPES or scale.dim() != 2 or scale.shape[0] != n:
+        raise ValueError(f"{prefix}.weight_scale must be a float tensor of shape [{n}, groups], got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+    groups = scale.shape[1]
+    group_size = _group_size(f"{prefix}.weight_scale", groups, k)
+    _check_natural_order(f"{prefix}.weight_g_idx", parts.get("weight_g_idx"), k, group_size)
+    zeros = parts.get("weight_zero_point")
+    if zeros is not None:
+        _check(f"{prefix}.weight_zero_point", zeros, (torch.int32,), (-(-n // 8), groups))
+        zeros = _nibbles(zeros.t()).flatten(-2)[:, :n].to(torch.uint8)  # [G, N]
+    return packed.t(), scale.t(), zeros, group_size
+
+
 def _is_experts_module(module: nn.Module) -> bool:
     return all(isinstance(getattr(module, name, None), torch.Tensor) for name in ("gate_up_proj", "down_proj"))
 
@@ -199,7 +278,8 @@ def _checkpoint_prefixes(name: str) -> list[str]:
 
 
 def load_quantized_experts(model: nn.Module, folder, *, device=None) -> list[str]:
-    """Put the GPTQ checkpoint's quantized experts in `folder` into `model`'s experts modules, in place.
+    """Put the quantized checkpoint's experts in `folder` (GPTQ or compressed-tensors) into `model`'s experts
+    modules, in place.
 
     Every ``*Experts`` module of `model` (``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, e.g.
     ``model.layers.<i>.mlp.experts`` of Mixtral / Qwen3-MoE) gets `QuantizedExperts` as gate_up_proj (each
@@ -224,16 +304,17 @@ def load_quantized_experts(model: nn.Module, folder, *, device=None) -> list[str
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-    settings = read_gptq_config(folder)
+    settings = read_quant_config(folder)
+    marker = _PARTS[settings["method"]][0][0]
     modules = [(name, m) for name, m in model.named_modules() if _is_experts_module(m)]
     if not modules:
         raise ValueError(f"model: {type(model).__name__} has no experts module with gate_up_proj [E, 2I, H] and "
                          f"down_proj [E, H, I] tensors (is it a transformers 5 MoE model?)")
     consumed: set[str] = set()
     with _open_shards(_shard_files(folder)) as where:
-        expert_keys = {key for key in where if key.endswith(".qweight") and ".experts." in key}
+        expert_keys = {key for key in where if key.endswith(f".{marker}") and ".experts." in key}
         if not expert_keys:
-            raise ValueError(f"{folder} stores no quantized experts (no '*.experts.<e>.<proj>.qweight' tensors)")
+            raise ValueError(f"{folder} stores no quantized experts (no '*.experts.<e>.<proj>.{marker}' tensors)")
         converted = []
         for name, module in modules:
             converted.append((module, _load_module(name, module, where, settings, consumed, device)))
@@ -259,20 +340,22 @@ def _load_module(name: str, module: nn.Module, where: dict, settings: dict, cons
     if tuple(module.down_proj.shape) != (experts, hidden, intermediate):
         raise ValueError(f"model: {name}.down_proj is {tuple(module.down_proj.shape)}, expected "
                          f"{(experts, hidden, intermediate)} for gate_up_proj {tuple(module.gate_up_proj.shape)}")
+    required, optional = _PARTS[settings["method"]]
+    marker = required[0]
     prefix = projections = None
     for candidate in _checkpoint_prefixes(name):
         for names in _PROJECTIONS:
-            if f"{candidate}.0.{names[0]}.qweight" in where:
+            if f"{candidate}.0.{names[0]}.{marker}" in where:
                 prefix, projections = candidate, names
                 break
         if prefix is not None:
             break
     if prefix is None:
-        raise ValueError(f"the checkpoint has no {name}.0.gate_proj.qweight (nor w1, nor under "
+        raise ValueError(f"the checkpoint has no {name}.0.gate_proj.{marker} (nor w1, nor under "
                          f"block_sparse_moe): the experts of {name} are not quantized in it")
-    if f"{prefix}.{experts}.{projections[0]}.qweight" in where:
-        raise ValueError(f"the checkpoint has {prefix}.{experts}.{projections[0]}.qweight but the model's {name} has "
-                         f"{experts} experts")
+    if f"{prefix}.{experts}.{projections[0]}.{marker}" in where:
+        raise ValueError(f"the checkpoint has {prefix}.{experts}.{projections[0]}.{marker} but the model's {name} "
+                         f"has {experts} experts")
     sizes = {projections[0]: (intermediate, hidden), projections[1]: (intermediate, hidden),
              projections[2]: (hidden, intermediate)}
     decoded: dict[str, list] = {proj: [] for proj in projections}
@@ -280,19 +363,25 @@ def _load_module(name: str, module: nn.Module, where: dict, settings: dict, cons
         for proj in projections:
             key = f"{prefix}.{e}.{proj}"
             parts = {}
-            for part in _PARTS:
+            for part in required + optional:
                 if f"{key}.{part}" in where:
                     parts[part] = where[f"{key}.{part}"].get_tensor(f"{key}.{part}").to(device)
                     consumed.add(f"{key}.{part}")
-                elif part != "g_idx":
-                    raise ValueError(f"the checkpoint has no {key}.{part} (GPTQ experts need qweight, qzeros and "
-                                     f"scales for every expert's {', '.join(projections)})")
+                elif part in required:
+                    raise ValueError(f"the checkpoint has no {key}.{part} ({settings['method']} experts need "
+                                     f"{', '.join(required)} for every expert's {', '.join(projections)})")
             if f"{key}.bias" in where:
                 raise ValueError(f"{key}.bias: experts with bias are not supported (the kernels compute "
                                  f"SiLU(gate) * up experts without bias)")
             n, k = sizes[proj]
-            decoded[proj].append(_decode_gptq(key, parts, n, k, settings["sym"], settings["checkpoint_format"]))
+            if settings["method"] == "gptq":
+                decoded[proj].append(_decode_gptq(key, parts, n, k, settings["sym"], settings["checkpoint_format"]))
+            else:
+                decoded[proj].append(_decode_compressed_tensors(key, parts, n, k))
     gate, up, down = (decoded[p] for p in projections)
+    if len({r[2] is None for rows in (gate, up, down) for r in rows}) > 1:
+        raise ValueError(f"{prefix}: some experts' projections have zero points and others not; one module's "
+                         f"QuantizedExperts are all symmetric or all with zero points")
     for e in range(experts):
         if gate[e][3] != up[e][3]:
             raise ValueError(f"{prefix}.{e}.{projections[1]}.scales: group size {up[e][3]} differs from "
