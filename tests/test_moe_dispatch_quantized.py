@@ -167,6 +167,13 @@ def test_gluon_modules_are_w4a16s(k, w4a16, module):
     assert ours.read_bytes() == theirs.read_bytes()
 
 
+def test_quant_config_is_w4a16s(k, w4a16):
+    """The quantization_config checks both checkpoint loaders share are the same module in both packages."""
+    ours = Path(k.__file__).with_name("quant_config.py")
+    theirs = Path(w4a16.__file__).with_name("quant_config.py")
+    assert ours.read_bytes() == theirs.read_bytes()
+
+
 def test_pack_unpack_roundtrip(k):
     q = k.quantized
     codes = torch.randint(0, 16, (2, 70, 200), dtype=torch.uint8)

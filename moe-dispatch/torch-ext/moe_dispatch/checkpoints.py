@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from .layers import _unsupported
+from .quant_config import check_compressed_tensors, require
 from .quantized import FLOAT_DTYPES, QuantizedExperts, check_group_size, pack_k_words, pad_group_params
 
 _INDEX = "model.safetensors.index.json"
@@ -63,11 +64,6 @@ _PARTS = {"gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
 def _read_json(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
-
-
-def _require(condition: bool, field: str, value, supported: str) -> None:
-    if not condition:
-        raise ValueError(f"quantization_config.{field} = {value!r} is not supported: {supported}")
 
 
 def read_quant_config(folder) -> dict:
@@ -87,26 +83,26 @@ def read_quant_config(folder) -> dict:
                          f"quantized checkpoint folder")
     method = str(qc.get("quant_method")).lower()
     readers = {"gptq": _gptq_settings, "compressed-tensors": _compressed_tensors_settings}
-    _require(method in readers, "quant_method", qc.get("quant_method"),
+    require(method in readers, "quant_method", qc.get("quant_method"),
              f"the methods read are {', '.join(readers)}")
     return {"method": method, **readers[method](qc)}
 
 
 def _gptq_settings(qc: dict) -> dict:
     bits = qc.get("bits")
-    _require(bits == 4, "bits", bits, "moe-dispatch holds 4-bit experts only")
+    require(bits == 4, "bits", bits, "moe-dispatch holds 4-bit experts only")
     formats = {key: qc[key] for key in ("checkpoint_format", "format") if key in qc}
     for key, value in formats.items():
-        _require(value in ("gptq", "gptq_v2"), key, value,
+        require(value in ("gptq", "gptq_v2"), key, value,
                  "only the 'gptq' (v1) and 'gptq_v2' tensor layouts; marlin, bitblas, exllama-repacked and other "
                  "kernel-specific layouts are not read")
-    _require(len(set(formats.values())) <= 1, "format", formats, "checkpoint_format and format must agree")
+    require(len(set(formats.values())) <= 1, "format", formats, "checkpoint_format and format must agree")
     pack_dtype = qc.get("pack_dtype", "int32")
-    _require(pack_dtype == "int32", "pack_dtype", pack_dtype, "qweight / qzeros must be packed in int32")
-    _require(not qc.get("is_marlin_format"), "is_marlin_format", qc.get("is_marlin_format"),
+    require(pack_dtype == "int32", "pack_dtype", pack_dtype, "qweight / qzeros must be packed in int32")
+    require(not qc.get("is_marlin_format"), "is_marlin_format", qc.get("is_marlin_format"),
              "marlin-repacked tensors are not read")
     sym = qc.get("sym", True)
-    _require(isinstance(sym, bool), "sym", sym, "sym must be true or false")
+    require(isinstance(sym, bool), "sym", sym, "sym must be true or false")
     # GPTQModel's per-module overrides: "-:" patterns leave modules unquantized (their experts then have no
     # qweight and are refused below); other bits or another sym would change how the tensors decode.
     for pattern, override in (qc.get("dynamic") or {}).items():
@@ -114,37 +110,15 @@ def _gptq_settings(qc: dict) -> dict:
             continue
         for field, expected in (("bits", 4), ("sym", sym)):
             value = override.get(field, expected)
-            _require(value == expected, f"dynamic[{pattern!r}].{field}", value,
+            require(value == expected, f"dynamic[{pattern!r}].{field}", value,
                      f"per-module overrides must keep {field} = {expected!r}")
-    _require(qc.get("model_file_base_name") is None, "model_file_base_name", qc.get("model_file_base_name"),
+    require(qc.get("model_file_base_name") is None, "model_file_base_name", qc.get("model_file_base_name"),
              f"weights must be in {_SINGLE} or shards listed in {_INDEX}")
     return {"sym": sym, "checkpoint_format": next(iter(formats.values()), "gptq")}
 
 
 def _compressed_tensors_settings(qc: dict) -> dict:
-    fmt = qc.get("format")
-    _require(fmt == "pack-quantized", "format", fmt, "only compressed-tensors 'pack-quantized' int4")
-    status = qc.get("quantization_status")
-    _require(status == "compressed", "quantization_status", status, "the weights must be saved compressed")
-    for field in ("sparsity_config", "transform_config", "kv_cache_scheme"):
-        _require(not qc.get(field), field, qc.get(field), "only weight quantization is read")
-    groups = qc.get("config_groups") or {}
-    _require(bool(groups), "config_groups", groups, "at least one quantization scheme is needed")
-    for name, group in groups.items():
-        where = f"config_groups.{name}"
-        group_format = group.get("format") or fmt
-        _require(group_format == "pack-quantized", f"{where}.format", group_format,
-                 "only compressed-tensors 'pack-quantized' int4")
-        for acts in ("input_activations", "output_activations"):
-            _require(group.get(acts) is None, f"{where}.{acts}", group.get(acts),
-                     "moe-dispatch's 4-bit experts quantize weights only (16-bit activations)")
-        weights = group.get("weights") or {}
-        checks = (("num_bits", weights.get("num_bits") == 4, "moe-dispatch holds 4-bit experts only"),
-                  ("type", weights.get("type") == "int", "integer weights only"),
-                  ("strategy", weights.get("strategy") in ("group", "channel"), "group or channel scales only"),
-                  ("dynamic", not weights.get("dynamic"), "static (stored) scales only"))
-        for field, ok, supported in checks:
-            _require(ok, f"{where}.weights.{field}", weights.get(field), supported)
+    check_compressed_tensors(qc)
     return {}
 
 

@@ -30,6 +30,7 @@ from .importers import GGUF_BLOCKS, from_awq, from_compressed_tensors, from_gguf
 from .layers import W4A16Linear, fuse_projections
 # The model's dtype is its activations' dtype, which W4A16Linear takes in float16 or bfloat16.
 from .ops import ACTIVATION_DTYPES, dequantize
+from .quant_config import check_compressed_tensors, require
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -65,7 +66,7 @@ def _quantization_config(folder: str) -> tuple[dict, str]:
     if os.path.isfile(config_path):
         qc = _read_json(config_path).get("quantization_config")
         if qc is not None:
-            _require("quant_method" in qc, "quant_method", None, "config.json's quantization_config must name it")
+            require("quant_method" in qc, "quant_method", None, "config.json's quantization_config must name it")
             return qc, qc["quant_method"]
     for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
         path = os.path.join(folder, name)
@@ -76,28 +77,23 @@ def _quantization_config(folder: str) -> tuple[dict, str]:
                      f"quant_config.json: not a quantized checkpoint folder")
 
 
-def _require(condition: bool, field: str, value, supported: str) -> None:
-    if not condition:
-        raise ValueError(f"quantization_config.{field} = {value!r} is not supported: {supported}")
-
-
 def _gptq_scheme(qc: dict) -> Scheme:
     bits = qc.get("bits")
-    _require(bits == 4, "bits", bits, "w4a16 holds 4-bit weights only")
+    require(bits == 4, "bits", bits, "w4a16 holds 4-bit weights only")
     # AutoGPTQ and transformers write "checkpoint_format", GPTQModel both it and "format": the tensor layout.
     formats = {key: qc[key] for key in ("checkpoint_format", "format") if key in qc}
     for key, value in formats.items():
-        _require(value in ("gptq", "gptq_v2"), key, value,
+        require(value in ("gptq", "gptq_v2"), key, value,
                  "only the 'gptq' (v1) and 'gptq_v2' tensor layouts; marlin, bitblas, exllama-repacked, planar "
                  "and other kernel-specific layouts are not read")
-    _require(len(set(formats.values())) <= 1, "format", formats, "checkpoint_format and format must agree")
+    require(len(set(formats.values())) <= 1, "format", formats, "checkpoint_format and format must agree")
     fmt = next(iter(formats.values()), "gptq")
     pack_dtype = qc.get("pack_dtype", "int32")
-    _require(pack_dtype == "int32", "pack_dtype", pack_dtype, "qweight / qzeros must be packed in int32")
-    _require(not qc.get("is_marlin_format"), "is_marlin_format", qc.get("is_marlin_format"),
+    require(pack_dtype == "int32", "pack_dtype", pack_dtype, "qweight / qzeros must be packed in int32")
+    require(not qc.get("is_marlin_format"), "is_marlin_format", qc.get("is_marlin_format"),
              "AutoGPTQ's marlin-repacked tensors are not read")
     sym = qc.get("sym", True)
-    _require(isinstance(sym, bool), "sym", sym, "sym must be true or false")
+    require(isinstance(sym, bool), "sym", sym, "sym must be true or false")
     # GPTQModel's per-module overrides ("dynamic"): "-:" patterns leave modules unquantized (their tensors
     # say so) and group sizes are read from the tensors, but other bits, or another sym than the global one
     # (which decides whether zero points are checked and dropped), would change how tensors decode.
@@ -106,7 +102,7 @@ def _gptq_scheme(qc: dict) -> Scheme:
             continue
         for field, expected in (("bits", 4), ("sym", sym)):
             value = override.get(field, expected)
-            _require(value == expected, f"dynamic[{pattern!r}].{field}", value,
+            require(value == expected, f"dynamic[{pattern!r}].{field}", value,
                      f"per-module overrides must keep {field} = {expected!r}")
     base = qc.get("model_file_base_name")
     return Scheme("gptq", sym=sym, checkpoint_format=fmt, weights_file=None if base is None else f"{base}.safetensors")
@@ -114,42 +110,20 @@ def _gptq_scheme(qc: dict) -> Scheme:
 
 def _awq_scheme(qc: dict) -> Scheme:
     bits = qc.get("bits", qc.get("w_bit"))
-    _require(bits == 4, "bits", bits, "w4a16 holds 4-bit weights only")
+    require(bits == 4, "bits", bits, "w4a16 holds 4-bit weights only")
     # AutoAWQ and transformers write "version", GPTQModel "format": the tensor layout.
     for key in ("version", "format"):
         layout = str(qc.get(key, "gemm")).lower()
-        _require(layout == "gemm", key, layout,
+        require(layout == "gemm", key, layout,
                  "only AWQ 'gemm' tensors; gemv, gemv_fast, exllama, marlin and ipex layouts are not read")
     zero_point = qc.get("zero_point", True)
-    _require(isinstance(zero_point, bool), "zero_point", zero_point, "zero_point must be true or false")
+    require(isinstance(zero_point, bool), "zero_point", zero_point, "zero_point must be true or false")
     # zero_point = false (GPTQModel's symmetric AWQ) still stores qzeros, all 8: checked and dropped.
     return Scheme("awq", sym=not zero_point)
 
 
 def _compressed_tensors_scheme(qc: dict) -> Scheme:
-    fmt = qc.get("format")
-    _require(fmt == "pack-quantized", "format", fmt, "only compressed-tensors 'pack-quantized' int4")
-    status = qc.get("quantization_status")
-    _require(status == "compressed", "quantization_status", status, "the weights must be saved compressed")
-    for field in ("sparsity_config", "transform_config", "kv_cache_scheme"):
-        _require(not qc.get(field), field, qc.get(field), "only weight quantization is read")
-    groups = qc.get("config_groups") or {}
-    _require(bool(groups), "config_groups", groups, "at least one quantization scheme is needed")
-    for name, group in groups.items():
-        where = f"config_groups.{name}"
-        group_format = group.get("format") or fmt
-        _require(group_format == "pack-quantized", f"{where}.format", group_format,
-                 "only compressed-tensors 'pack-quantized' int4")
-        for acts in ("input_activations", "output_activations"):
-            _require(group.get(acts) is None, f"{where}.{acts}", group.get(acts),
-                     "w4a16 quantizes weights only (16-bit activations)")
-        weights = group.get("weights") or {}
-        checks = (("num_bits", weights.get("num_bits") == 4, "w4a16 holds 4-bit weights only"),
-                  ("type", weights.get("type") == "int", "integer weights only"),
-                  ("strategy", weights.get("strategy") in ("group", "channel"), "group or channel scales only"),
-                  ("dynamic", not weights.get("dynamic"), "static (stored) scales only"))
-        for field, ok, supported in checks:
-            _require(ok, f"{where}.weights.{field}", weights.get(field), supported)
+    check_compressed_tensors(qc)
     return Scheme("compressed-tensors")
 
 
@@ -159,7 +133,7 @@ def read_scheme(folder) -> Scheme:
     qc, method = _quantization_config(os.fspath(folder))
     method = str(method).lower()
     readers = {"gptq": _gptq_scheme, "awq": _awq_scheme, "compressed-tensors": _compressed_tensors_scheme}
-    _require(method in readers, "quant_method", method, f"supported methods are {', '.join(readers)}")
+    require(method in readers, "quant_method", method, f"supported methods are {', '.join(readers)}")
     return readers[method](qc)
 
 
