@@ -21,6 +21,7 @@ import torch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "moe_dispatch"
 TOOL_FIXTURES = [("gptqmodel", "mixtral-gptq-g32-sym"), ("gptqmodel", "qwen3-moe-gptq-g64-asym-actorder-static"),
+                 ("gptqmodel", "mixtral-awq-g32-sym"), ("gptqmodel", "qwen3-moe-awq-g64-zp"),
                  ("llmcompressor", "mixtral-llmcompressor-g32-sym"),
                  ("llmcompressor", "qwen3-moe-llmcompressor-g64-asym")]
 
@@ -62,6 +63,22 @@ def dequantize_gptq(parts: dict, sym: bool, checkpoint_format: str) -> torch.Ten
     return weight.t().to(torch.float16)
 
 
+AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j of an AWQ word is its nibble AWQ_ORDER[j]
+
+
+def dequantize_awq(parts: dict) -> torch.Tensor:
+    """An AWQ gemm linear's float16 weight [N, K]: (q - zero) * scale per group (zeros stored as they are: 8 when
+    symmetric), one rounding to float16."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+    k, n, groups = qweight.shape[0], qweight.shape[1] * 8, scales.shape[0]
+    codes = ((qweight.unsqueeze(-1) >> shifts) & 0xF)[..., list(AWQ_ORDER)].reshape(k, n)
+    zeros = ((qzeros.unsqueeze(-1) >> shifts) & 0xF)[..., list(AWQ_ORDER)].reshape(groups, n)
+    group = k // groups
+    weight = (codes - zeros.repeat_interleave(group, 0)).float() * scales.repeat_interleave(group, 0).float()
+    return weight.t().to(torch.float16)
+
+
 def dequantize_compressed_tensors(parts: dict) -> torch.Tensor:
     """A compressed-tensors pack-quantized linear's float16 weight [N, K]: (q - zero) * scale per group, q and
     zero the stored nibbles (signed values plus 8; zero 8 when symmetric), one rounding to float16."""
@@ -90,6 +107,10 @@ def load(k, folder: Path, model=None):
         for prefix in sorted(name.removesuffix(".qweight") for name in tensors if name.endswith(".qweight")):
             parts = {part: tensors.pop(f"{prefix}.{part}") for part in ("qweight", "qzeros", "scales", "g_idx")}
             state[f"{prefix}.weight"] = dequantize_gptq(parts, qc["sym"], qc["checkpoint_format"])
+    elif qc["quant_method"] == "awq":
+        for prefix in sorted(name.removesuffix(".qweight") for name in tensors if name.endswith(".qweight")):
+            parts = {part: tensors.pop(f"{prefix}.{part}") for part in ("qweight", "qzeros", "scales")}
+            state[f"{prefix}.weight"] = dequantize_awq(parts)
     else:
         packed = sorted(name.removesuffix(".weight_packed") for name in tensors if name.endswith(".weight_packed"))
         for prefix in packed:
@@ -124,13 +145,14 @@ def run_logits(k, model, input_ids, monkeypatch) -> torch.Tensor:
 
 
 # Tolerance against the tools' logits. Both sides compute with the same float16 weights (the checkpoint's
-# codes, zero points and scales: GPTQModel's TorchLinear and compressed-tensors' quantize-dequantize forward
-# make (q - zero) * scale in float16 and matmul; moe-dispatch's kernels dequantize the same values in
-# registers, the test's attention the same way in plain torch), so the difference is float16 rounding of the
-# activations in a different order (grouped experts, summed in another order, fp32 accumulators in other places): a few roundings of 2^-11 relative
-# per layer, two layers, ~1e-3 of the logits' norm. 1e-2 relative (and 4x that against the max for any
-# element) leaves room for that and is still far below what a wrong expert costs (the experts rolled by one,
-# measured below, move the logits by ~0.3-0.5 relative).
+# codes, zero points and scales: GPTQModel's TorchLinear / AWQ torch kernel and compressed-tensors'
+# quantize-dequantize forward make (q - zero) * scale in float16 and matmul; moe-dispatch's kernels dequantize
+# the same values in registers, the test's attention the same way in plain torch), so the difference is
+# float16 rounding of the activations in a different order (grouped experts, summed in another order, fp32
+# accumulators in other places): a few roundings of 2^-11 relative per layer, two layers, ~1e-3 of the logits'
+# norm. 1e-2 relative (and 4x that against the max for any element) leaves room for that and is still far
+# below what a wrong expert costs (the experts rolled by one, measured below, move the logits by ~0.3-0.5
+# relative).
 TOL = 1e-2
 
 
@@ -230,6 +252,8 @@ def test_experts_are_exact(k, folder):
             assert torch.equal(k.dequantize(down, torch.float16)[e], plain("down_proj"))
 
 
+MIXTRAL_AWQ = FIXTURES / "gptqmodel" / "mixtral-awq-g32-sym"
+QWEN3_AWQ = FIXTURES / "gptqmodel" / "qwen3-moe-awq-g64-zp"
 MIXTRAL_CT = FIXTURES / "llmcompressor" / "mixtral-llmcompressor-g32-sym"
 QWEN3_CT = FIXTURES / "llmcompressor" / "qwen3-moe-llmcompressor-g64-asym"
 CT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
@@ -254,6 +278,24 @@ def test_compressed_tensors_experts_are_exact(k, folder):
                               if f"model.layers.{i}.{block}.experts.{e}.{proj}.weight_packed" in tensors)
                 return dequantize_compressed_tensors({p: tensors[f"{prefix}.{p}"] for p in CT_PARTS
                                                       if f"{prefix}.{p}" in tensors})
+
+            assert torch.equal(k.dequantize(gate_up, torch.float16)[e],
+                               torch.cat([plain("gate_proj"), plain("up_proj")]))
+            assert torch.equal(k.dequantize(down, torch.float16)[e], plain("down_proj"))
+
+
+@pytest.mark.parametrize("folder", [MIXTRAL_AWQ, QWEN3_AWQ], ids=["mixtral", "qwen3-moe"])
+def test_awq_experts_are_exact(k, folder):
+    """Every expert of an AWQ checkpoint (GPTQModel's, gemm) dequantizes to exactly the float16 weights of the
+    plain AWQ formula: AWQ's nibble order along N, packed again along K, changes no code."""
+    model = build_model(folder)
+    k.load_quantized_experts(model, folder)
+    tensors = read_tensors(folder)
+    for i, (gate_up, down) in enumerate(experts_of(model)):
+        for e in range(gate_up.num_experts):
+            def plain(proj):
+                prefix = f"model.layers.{i}.mlp.experts.{e}.{proj}"
+                return dequantize_awq({p: tensors[f"{prefix}.{p}"] for p in ("qweight", "qzeros", "scales")})
 
             assert torch.equal(k.dequantize(gate_up, torch.float16)[e],
                                torch.cat([plain("gate_proj"), plain("up_proj")]))
@@ -321,7 +363,11 @@ BAD_CHECKPOINTS = [
     ("3-bit", MIXTRAL, None, lambda qc: qc.update(bits=3), r"quantization_config\.bits = 3"),
     ("marlin", MIXTRAL, None, lambda qc: qc.update(format="marlin", checkpoint_format="marlin"),
      r"quantization_config\.(checkpoint_)?format = 'marlin'"),
-    ("awq", MIXTRAL, None, lambda qc: qc.update(quant_method="awq"), r"quant_method = 'awq'"),
+    ("hqq", MIXTRAL, None, lambda qc: qc.update(quant_method="hqq"), r"quant_method = 'hqq'"),
+    ("awq-gemv", MIXTRAL_AWQ, None, lambda qc: qc.update(format="gemv", version="gemv"),
+     r"quantization_config\.version = 'gemv'"),
+    ("awq-zero-points-not-8", QWEN3_AWQ, None, lambda qc: qc.update(zero_point=False),
+     r"experts\.0\.gate_proj\.qzeros: zero_point false expects every zero point to be 8"),
     ("int16-pack", MIXTRAL, None, lambda qc: qc.update(pack_dtype="int16"), r"pack_dtype"),
     ("8-bit-override", MIXTRAL, None, lambda qc: qc.update(dynamic={r"+:.*experts.*": {"bits": 8}}),
      r"dynamic\[.*\]\.bits = 8"),

@@ -1,4 +1,4 @@
-"""Load a quantized checkpoint's MoE experts (GPTQ, compressed-tensors) into moe-dispatch's 4-bit experts
+"""Load a quantized checkpoint's MoE experts (GPTQ, AWQ, compressed-tensors) into moe-dispatch's 4-bit experts
 (`QuantizedExperts`).
 
 `load_quantized_experts(model, folder)` takes a transformers MoE model built from the checkpoint's config
@@ -20,6 +20,10 @@ shards:
   ``gptq_v2``, symmetric (every zero point 8, dropped) or with zero points: ``<experts>.<e>.<proj>.{qweight,
   qzeros, scales, g_idx}``, qweight int32 ``[K/8, N]`` packed along K (nibble i of word r is row 8r + i), qzeros
   int32 ``[G, N/8]`` packed along N, scales ``[G, N]``, g_idx ``[K]``.
+- AWQ ``gemm`` as AutoAWQ and GPTQModel write it (``quant_method: awq``, or a quant_config.json), 4 bits,
+  ``zero_point`` true, or false (every stored zero point 8, dropped): ``<experts>.<e>.<proj>.{qweight, qzeros,
+  scales}``, qweight int32 ``[K, N/8]`` and qzeros int32 ``[G, N/8]`` packed along N in AWQ's nibble order
+  (re-packed along K here, exactly), scales ``[G, N]``.
 - compressed-tensors ``pack-quantized`` as llm-compressor writes it (``quant_method: compressed-tensors``,
   saved compressed), 4-bit integer weights in groups or per channel, symmetric or with zero points:
   ``<experts>.<e>.<proj>.{weight_packed, weight_scale, weight_shape, weight_zero_point, weight_g_idx}``,
@@ -28,7 +32,7 @@ shards:
 Group sizes 32, 64, a multiple of 128 or per channel.
 
 Refused with a ValueError naming the config field or the tensor, never approximated: other methods and
-bit widths (3-bit, 8-bit), kernel-specific layouts (marlin, exllama, bitblas), other pack dtypes, quantized
+bit widths (3-bit, 8-bit), kernel-specific layouts (marlin, exllama, bitblas, AWQ gemv), other pack dtypes, quantized
 activations, act-order checkpoints whose group index is not the natural ``k // group_size`` (``desc_act``
 without ``static_groups``, compressed-tensors' ``actorder: group``: the fused kernels read one shared
 activation row for every expert, and this format has no per-expert column permutation), group sizes the
@@ -39,7 +43,6 @@ biases, missing or extra experts, and shapes that do not match the model.
 
 from __future__ import annotations
 
-import json
 import os
 from contextlib import ExitStack, contextmanager
 from typing import Optional
@@ -48,7 +51,7 @@ import torch
 from torch import nn
 
 from .layers import _unsupported
-from .quant_config import check_compressed_tensors, require
+from .quant_config import awq_symmetric, check_compressed_tensors, quantization_config, read_json, require
 from .quantized import FLOAT_DTYPES, QuantizedExperts, check_group_size, pack_k_words, pad_group_params
 
 _INDEX = "model.safetensors.index.json"
@@ -56,35 +59,22 @@ _SINGLE = "model.safetensors"
 # (gate, up, down) projection names per naming scheme: transformers 5 / GPTQModel, Mixtral's original.
 _PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 # The tensors of one projection per method: (required, optional); the first names the quantized experts.
+AWQ_UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ packs column 8c + j of a word into nibble AWQ_UNPACK_ORDER[j]
 _PARTS = {"gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
+          "awq": (("qweight", "qzeros", "scales"), ()),
           "compressed-tensors": (("weight_packed", "weight_scale", "weight_shape"),
                                  ("weight_zero_point", "weight_g_idx"))}
 
 
-def _read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def read_quant_config(folder) -> dict:
     """The folder's quantization settings: ``{"method": "gptq", "sym": bool, "checkpoint_format": "gptq" |
-    "gptq_v2"}`` or ``{"method": "compressed-tensors"}``; a ValueError naming the config field for anything
-    `load_quantized_experts` does not read exactly."""
-    folder = os.fspath(folder)
-    qc = None
-    config_path = os.path.join(folder, "config.json")
-    if os.path.isfile(config_path):
-        qc = _read_json(config_path).get("quantization_config")
-    if qc is None and os.path.isfile(os.path.join(folder, "quantize_config.json")):
-        qc = _read_json(os.path.join(folder, "quantize_config.json"))
-        qc.setdefault("quant_method", "gptq")
-    if qc is None:
-        raise ValueError(f"{folder} has no quantization_config in config.json and no quantize_config.json: not a "
-                         f"quantized checkpoint folder")
-    method = str(qc.get("quant_method")).lower()
-    readers = {"gptq": _gptq_settings, "compressed-tensors": _compressed_tensors_settings}
-    require(method in readers, "quant_method", qc.get("quant_method"),
-             f"the methods read are {', '.join(readers)}")
+    "gptq_v2"}``, ``{"method": "awq", "sym": bool}`` or ``{"method": "compressed-tensors"}``; a ValueError
+    naming the config field for anything `load_quantized_experts` does not read exactly."""
+    qc, method = quantization_config(os.fspath(folder))
+    readers = {"gptq": _gptq_settings, "awq": lambda qc: {"sym": awq_symmetric(qc)},
+               "compressed-tensors": _compressed_tensors_settings}
+    require(method in readers, "quant_method", qc.get("quant_method", method),
+            f"the methods read are {', '.join(readers)}")
     return {"method": method, **readers[method](qc)}
 
 
@@ -125,7 +115,7 @@ def _compressed_tensors_settings(qc: dict) -> dict:
 def _shard_files(folder: str) -> list[str]:
     index = os.path.join(folder, _INDEX)
     if os.path.isfile(index):
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
         return [os.path.join(folder, f) for f in sorted(set(weight_map.values()))]
@@ -218,6 +208,34 @@ def _decode_gptq(prefix: str, parts: dict, n: int, k: int, sym: bool, checkpoint
     return qweight, scales, zeros.to(torch.uint8), group_size
 
 
+def _decode_awq(prefix: str, parts: dict, n: int, k: int, sym: bool):
+    """One AWQ ``gemm`` projection [N, K] -> (words int32 [K / 8, N] packed along K as GPTQ's, scales [G, N], zeros
+    uint8 [G, N] or None, group_size). AWQ packs along N, in its own nibble order: the codes are unpacked and
+    packed again along K, exactly."""
+    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+    if n % 8 or k % 8:
+        raise ValueError(f"{prefix}: AWQ experts need N and K that are multiples of 8, got N = {n}, K = {k}")
+    _check(f"{prefix}.qweight", qweight, (torch.int32,), (k, n // 8))
+    if scales.dtype not in FLOAT_DTYPES or scales.dim() != 2 or scales.shape[1] != n:
+        raise ValueError(f"{prefix}.scales must be a float tensor of shape [groups, {n}], got {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    groups = scales.shape[0]
+    group_size = _group_size(f"{prefix}.scales", groups, k)
+    _check(f"{prefix}.qzeros", qzeros, (torch.int32,), (groups, n // 8))
+    order = torch.tensor(AWQ_UNPACK_ORDER, device=qweight.device)
+    codes = _nibbles(qweight)[..., order].reshape(k, n)
+    zeros = _nibbles(qzeros)[..., order].reshape(groups, n)
+    # nibble i of word r holds row 8r + i: byte b of a word holds rows 8r + 2b (low) and 8r + 2b + 1 (high)
+    pairs = codes.view(k // 8, 4, 2, n)
+    words = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).permute(0, 2, 1).contiguous().view(torch.int32)
+    if sym:
+        if not bool((zeros == 8).all()):
+            found = sorted(set(zeros.unique().tolist()))[:4]
+            raise ValueError(f"{prefix}.qzeros: zero_point false expects every zero point to be 8, got values {found}")
+        zeros = None
+    return words.view(k // 8, n), scales, zeros, group_size
+
+
 def _decode_compressed_tensors(prefix: str, parts: dict, n: int, k: int):
     """One compressed-tensors pack-quantized projection [N, K] -> (words int32 [K / 8, N], scales [G, N], zeros
     uint8 [G, N] or None, group_size). Codes are the signed values plus 8, so symmetric weights are exactly the
@@ -252,7 +270,7 @@ def _checkpoint_prefixes(name: str) -> list[str]:
 
 
 def load_quantized_experts(model: nn.Module, folder, *, device=None) -> list[str]:
-    """Put the quantized checkpoint's experts in `folder` (GPTQ or compressed-tensors) into `model`'s experts
+    """Put the quantized checkpoint's experts in `folder` (GPTQ, AWQ or compressed-tensors) into `model`'s experts
     modules, in place.
 
     Every ``*Experts`` module of `model` (``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, e.g.
@@ -350,6 +368,8 @@ def _load_module(name: str, module: nn.Module, where: dict, settings: dict, cons
             n, k = sizes[proj]
             if settings["method"] == "gptq":
                 decoded[proj].append(_decode_gptq(key, parts, n, k, settings["sym"], settings["checkpoint_format"]))
+            elif settings["method"] == "awq":
+                decoded[proj].append(_decode_awq(key, parts, n, k, settings["sym"]))
             else:
                 decoded[proj].append(_decode_compressed_tensors(key, parts, n, k))
     gate, up, down = (decoded[p] for p in projections)

@@ -16,7 +16,6 @@ dequantizes every tensor) and puts the file's 4-bit blocks (Q4_0, Q4_1, Q4_K) ba
 
 from __future__ import annotations
 
-import json
 import os
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -30,7 +29,7 @@ from .importers import GGUF_BLOCKS, from_awq, from_compressed_tensors, from_gguf
 from .layers import W4A16Linear, fuse_projections
 # The model's dtype is its activations' dtype, which W4A16Linear takes in float16 or bfloat16.
 from .ops import ACTIVATION_DTYPES, dequantize
-from .quant_config import check_compressed_tensors, require
+from .quant_config import awq_symmetric, check_compressed_tensors, quantization_config, read_json, require
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -51,30 +50,6 @@ class Scheme:
     sym: bool = True  # GPTQ / AWQ: every zero point is 8 (checked and dropped by the importer)
     checkpoint_format: str = "gptq"  # GPTQ: "gptq" (v1, zeros stored minus 1) or "gptq_v2"
     weights_file: Optional[str] = None  # AutoGPTQ's model_file_base_name (e.g. gptq_model-4bit-128g)
-
-
-def _read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _quantization_config(folder: str) -> tuple[dict, str]:
-    """(config.json's ``quantization_config``, its method); else quantize_config.json (AutoGPTQ, GPTQModel)
-    or quant_config.json (AutoAWQ), which older tools write beside a config.json without one and which
-    may not name their method (``quant_method``), so the file's name does."""
-    config_path = os.path.join(folder, "config.json")
-    if os.path.isfile(config_path):
-        qc = _read_json(config_path).get("quantization_config")
-        if qc is not None:
-            require("quant_method" in qc, "quant_method", None, "config.json's quantization_config must name it")
-            return qc, qc["quant_method"]
-    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            qc = _read_json(path)
-            return qc, qc.get("quant_method", method)
-    raise ValueError(f"{folder} has no quantization_config in config.json and no quantize_config.json or "
-                     f"quant_config.json: not a quantized checkpoint folder")
 
 
 def _gptq_scheme(qc: dict) -> Scheme:
@@ -109,17 +84,7 @@ def _gptq_scheme(qc: dict) -> Scheme:
 
 
 def _awq_scheme(qc: dict) -> Scheme:
-    bits = qc.get("bits", qc.get("w_bit"))
-    require(bits == 4, "bits", bits, "w4a16 holds 4-bit weights only")
-    # AutoAWQ and transformers write "version", GPTQModel "format": the tensor layout.
-    for key in ("version", "format"):
-        layout = str(qc.get(key, "gemm")).lower()
-        require(layout == "gemm", key, layout,
-                 "only AWQ 'gemm' tensors; gemv, gemv_fast, exllama, marlin and ipex layouts are not read")
-    zero_point = qc.get("zero_point", True)
-    require(isinstance(zero_point, bool), "zero_point", zero_point, "zero_point must be true or false")
-    # zero_point = false (GPTQModel's symmetric AWQ) still stores qzeros, all 8: checked and dropped.
-    return Scheme("awq", sym=not zero_point)
+    return Scheme("awq", sym=awq_symmetric(qc))
 
 
 def _compressed_tensors_scheme(qc: dict) -> Scheme:
@@ -130,8 +95,7 @@ def _compressed_tensors_scheme(qc: dict) -> Scheme:
 def read_scheme(folder) -> Scheme:
     """The folder's quantization config as a `Scheme`; a ValueError naming the field for anything the
     loader does not read exactly (other bit widths, kernel-specific layouts, activation quantization)."""
-    qc, method = _quantization_config(os.fspath(folder))
-    method = str(method).lower()
+    qc, method = quantization_config(os.fspath(folder))
     readers = {"gptq": _gptq_scheme, "awq": _awq_scheme, "compressed-tensors": _compressed_tensors_scheme}
     require(method in readers, "quant_method", method, f"supported methods are {', '.join(readers)}")
     return readers[method](qc)
@@ -140,7 +104,7 @@ def read_scheme(folder) -> Scheme:
 def _shard_files(folder: str, scheme: Scheme) -> list[str]:
     index = os.path.join(folder, _INDEX)
     if os.path.isfile(index):
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
         return [os.path.join(folder, f) for f in sorted(set(weight_map.values()))]
