@@ -78,7 +78,8 @@ def _unsupported_weight(module: nn.Module, name: str) -> str | None:
                 isinstance(weight, torch.Tensor) else f"dtype {weight.dtype}")
         return (f"its {name} is quantized by a scheme this kernel does not read ({what}); it takes float experts "
                 f"or its own 4-bit QuantizedExperts (moe_dispatch.quantize_experts_module(module) quantizes float "
-                f"experts; moe_dispatch.load_quantized_experts(model, folder) reads a GPTQ checkpoint's experts)")
+                f"experts; moe_dispatch.load_quantized_experts(model, folder) reads a GPTQ, AWQ or compressed-tensors "
+                f"checkpoint's experts)")
     if weight is None:
         return f"it has no {name} tensor"
     return None

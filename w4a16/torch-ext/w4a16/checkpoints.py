@@ -146,7 +146,8 @@ def _quantized_linear(model: nn.Module, prefix: str) -> nn.Linear:
     """The model's ``nn.Linear`` that the checkpoint's quantized tensors under `prefix` belong to."""
     if "experts" in prefix.split("."):
         raise ValueError(f"{prefix}: quantized MoE expert tensors are not w4a16 linears; moe-dispatch's "
-                         f"load_quantized_experts(model, folder) reads a GPTQ checkpoint's experts")
+                         f"load_quantized_experts(model, folder) reads a GPTQ, AWQ or compressed-tensors checkpoint's "
+                         f"experts")
     try:
         module = model.get_submodule(prefix)
     except AttributeError:
