@@ -194,13 +194,13 @@ MMA_PLANS = {  # the tensor-core gate/up GEMV's plans (`launch._gate_up_mma`): w
 
 @pytest.mark.parametrize("plan", sorted(MMA_PLANS))
 @pytest.mark.parametrize("name,dtype,H", [("int4-g128", torch.bfloat16, 1920), ("int4-zp-g128", torch.float16, 2048),
-                                          ("int4-zp-g32", torch.bfloat16, 1936),
+                                          ("int4-zp-g32", torch.bfloat16, 1952),
                                           ("int4-zp-channel", torch.float16, 1920), ("int4-g256", torch.bfloat16, 1792)])
 @pytest.mark.parametrize("T", [1, 3])
 def test_mma_gate_up(k, plan, name, dtype, H, T):
     """The tensor-core gate/up GEMV into a NaN-poisoned intermediate: each picked pair's rows within 2^-8 of float64
     silu(gate) * up (x and the dequantized weights exact, fp32 sums), an unpicked pair's rows unwritten; E=16,
-    I=768, top-8, H past a loop step's last tile (1920: 15 tiles), past the last tile's columns (1936), and in
+    I=768, top-8, H past a loop step's last tile (1920: 15 tiles), past the last tile's columns (1952), and in
     groups of 256. Then the whole layer through `experts` within TOL of float64 (T = 3: a token picks nothing)."""
     E, I, top_k = 16, 768, 8
     q_gate_up, q_down, x, weights, ids = decode_case(k, E, H, I, name, 7, dtype, T, top_k)
