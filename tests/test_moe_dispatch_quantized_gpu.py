@@ -234,15 +234,16 @@ MMA_DOWN_PLANS = {
 
 
 @pytest.mark.parametrize("plan", sorted(MMA_DOWN_PLANS))
-@pytest.mark.parametrize("name,dtype,I", [("int4-g128", torch.bfloat16, 768), ("int4-zp-g32", torch.float16, 800),
-                                          ("int4-zp-channel", torch.bfloat16, 640)])
+@pytest.mark.parametrize("name,dtype,H,I", [("int4-g128", torch.bfloat16, 2048, 768),
+                                            ("int4-zp-g32", torch.float16, 2016, 800),
+                                            ("int4-zp-channel", torch.bfloat16, 2000, 640)])
 @pytest.mark.parametrize("T", [1, 3])
-def test_mma_down(k, plan, name, dtype, I, T):
+def test_mma_down(k, plan, name, dtype, H, I, T):
     """The tensor-core down GEMV behind both gate/up GEMVs (tensor-core and packed / fp32), into a NaN-poisoned
-    output, within TOL of float64: E=16, H=2000 (output rows past the last full row block), top-8, I past a loop
-    step's last tile (768: 6 tiles) or past the last tile's columns (800); split over K or not. T = 3: a token
-    picks nothing."""
-    q_gate_up, q_down, x, weights, ids = decode_case(k, 16, 2000, I, name, 9, dtype, T)
+    output, within TOL of float64: E=16, top-8, H with output rows past the last full row block (2016, 2000) or
+    not, I past a loop step's last tile (768: 6 tiles) or past the last tile's columns (800); split over K or not.
+    T = 3: a token picks nothing."""
+    q_gate_up, q_down, x, weights, ids = decode_case(k, 16, H, I, name, 9, dtype, T)
     tk = k.ops.triton_kernels
     ref = picked_reference(k, x, q_gate_up, q_down, weights, ids)
     for up in (MMA_PLANS["w2-t8-s3"], PACKED_PLANS["plain"]):
