@@ -168,6 +168,16 @@ def _group_size(name: str, groups: int, k: int) -> int:
     return group_size
 
 
+def _scale_groups(name: str, scales: torch.Tensor, n: int, k: int, n_dim: int) -> tuple[int, int]:
+    """(groups, group size) of a projection's 2-D float scales whose dimension `n_dim` holds the N rows and the
+    other the groups; refused by `name` otherwise."""
+    if scales.dtype not in FLOAT_DTYPES or scales.dim() != 2 or scales.shape[n_dim] != n:
+        shape = f"[groups, {n}]" if n_dim == 1 else f"[{n}, groups]"
+        raise ValueError(f"{name} must be a float tensor of shape {shape}, got {scales.dtype} {tuple(scales.shape)}")
+    groups = scales.shape[1 - n_dim]
+    return groups, _group_size(name, groups, k)
+
+
 def _check_natural_order(name: str, g_idx: Optional[torch.Tensor], k: int, group_size: int) -> None:
     """A stored group index must be the natural ``k // group_size``: act order permutes columns per expert."""
     if g_idx is None:
@@ -185,11 +195,7 @@ def _decode_gptq(prefix: str, parts: dict, n: int, k: int, sym: bool, checkpoint
     [G, N] or None, group_size)."""
     qweight, qzeros, scales, g_idx = (parts.get(p) for p in ("qweight", "qzeros", "scales", "g_idx"))
     _check(f"{prefix}.qweight", qweight, (torch.int32,), (k // 8, n))
-    if scales.dtype not in FLOAT_DTYPES or scales.dim() != 2 or scales.shape[1] != n:
-        raise ValueError(f"{prefix}.scales must be a float tensor of shape [groups, {n}], got {scales.dtype} "
-                         f"{tuple(scales.shape)}")
-    groups = scales.shape[0]
-    group_size = _group_size(f"{prefix}.scales", groups, k)
+    groups, group_size = _scale_groups(f"{prefix}.scales", scales, n, k, n_dim=1)
     _check(f"{prefix}.qzeros", qzeros, (torch.int32,), (groups, -(-n // 8)))
     _check_natural_order(f"{prefix}.g_idx", g_idx, k, group_size)
     zeros = _nibbles(qzeros).flatten(-2)[:, :n]  # [G, N]
@@ -216,11 +222,7 @@ def _decode_awq(prefix: str, parts: dict, n: int, k: int, sym: bool):
     if n % 8 or k % 8:
         raise ValueError(f"{prefix}: AWQ experts need N and K that are multiples of 8, got N = {n}, K = {k}")
     _check(f"{prefix}.qweight", qweight, (torch.int32,), (k, n // 8))
-    if scales.dtype not in FLOAT_DTYPES or scales.dim() != 2 or scales.shape[1] != n:
-        raise ValueError(f"{prefix}.scales must be a float tensor of shape [groups, {n}], got {scales.dtype} "
-                         f"{tuple(scales.shape)}")
-    groups = scales.shape[0]
-    group_size = _group_size(f"{prefix}.scales", groups, k)
+    groups, group_size = _scale_groups(f"{prefix}.scales", scales, n, k, n_dim=1)
     _check(f"{prefix}.qzeros", qzeros, (torch.int32,), (groups, n // 8))
     order = torch.tensor(AWQ_UNPACK_ORDER, device=qweight.device)
     codes = _nibbles(qweight)[..., order].reshape(k, n)
@@ -244,11 +246,7 @@ def _decode_compressed_tensors(prefix: str, parts: dict, n: int, k: int):
     if shape.numel() != 2 or tuple(int(v) for v in shape.tolist()) != (n, k):
         raise ValueError(f"{prefix}.weight_shape must be {[n, k]} for the model's experts, got {shape.tolist()}")
     _check(f"{prefix}.weight_packed", packed, (torch.int32,), (n, k // 8))
-    if scale.dtype not in FLOAT_DTYPES or scale.dim() != 2 or scale.shape[0] != n:
-        raise ValueError(f"{prefix}.weight_scale must be a float tensor of shape [{n}, groups], got {scale.dtype} "
-                         f"{tuple(scale.shape)}")
-    groups = scale.shape[1]
-    group_size = _group_size(f"{prefix}.weight_scale", groups, k)
+    groups, group_size = _scale_groups(f"{prefix}.weight_scale", scale, n, k, n_dim=0)
     _check_natural_order(f"{prefix}.weight_g_idx", parts.get("weight_g_idx"), k, group_size)
     zeros = parts.get("weight_zero_point")
     if zeros is not None:
