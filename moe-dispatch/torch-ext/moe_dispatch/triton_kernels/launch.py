@@ -263,8 +263,8 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
 
 
 def mma_gemv_supported(x: torch.Tensor, w: QuantizedExperts) -> bool:
-    """Whether the tensor-core gate/up GEMV (`mma._gate_up_mma_kernel`) runs these experts: int4 without minima in
-    scale groups of 32, 64, multiples of 128 or per channel, fp16 / bf16 activations whose rows its cp.async ring
+    """Whether the tensor-core GEMVs (`mma._gate_up_mma_kernel`, `_down_mma_kernel`) run these experts: int4
+    without minima in scale groups of 32, 64, multiples of 128 or per channel, fp16 / bf16 activations whose rows its cp.async ring
     copies in 16-byte pieces, on an NVIDIA GPU of sm_80 or later with the Triton release the Gluon kernels were
     built for."""
     g = w.group_size
@@ -279,8 +279,9 @@ def mma_gemv_supported(x: torch.Tensor, w: QuantizedExperts) -> bool:
 
 def _gate_up_mma(x: torch.Tensor, w: QuantizedExperts, inter: torch.Tensor, topk_ids: torch.Tensor, plan: dict,
                  trigger_start: bool) -> None:
-    """`mma._gate_up_mma_kernel` into `inter` [P, I] (fp32): one program per (token, slot) pair and 16 x num_warps
-    rows of the intermediate, TILES K-tiles an iteration through a ring of num_stages (>= 2) slots."""
+    """`mma._gate_up_mma_kernel` into `inter` [P, I] (fp32, or the activations' dtype before a tensor-core down
+    GEMV): one program per (token, slot) pair and 16 x num_warps rows of the intermediate, TILES K-tiles an
+    iteration through a ring of num_stages (>= 2) slots."""
     # imported here: Triton builds without Gluon never reach this launcher (`_gemvs` checks `mma_gemv_supported`)
     from .mma import _gate_up_mma_kernel
 
