@@ -264,9 +264,9 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
 
 def mma_gemv_supported(x: torch.Tensor, w: QuantizedExperts) -> bool:
     """Whether the tensor-core GEMVs (`mma._gate_up_mma_kernel`, `_down_mma_kernel`) run these experts: int4
-    without minima in scale groups of 32, 64, multiples of 128 or per channel, fp16 / bf16 activations whose rows its cp.async ring
-    copies in 16-byte pieces, on an NVIDIA GPU of sm_80 or later with the Triton release the Gluon kernels were
-    built for."""
+    without minima in scale groups of 32, 64, multiples of 128 or per channel, fp16 / bf16 activations whose rows
+    their cp.async ring copies in 16-byte pieces, on an NVIDIA GPU of sm_80 or later with the Triton release the
+    Gluon kernels were built for."""
     g = w.group_size
     if w.codebook is not None or w.mins is not None or not (g == -1 or g % 128 == 0 or g in (32, 64)):
         return False
@@ -290,15 +290,23 @@ def _gate_up_mma(x: torch.Tensor, w: QuantizedExperts, inter: torch.Tensor, topk
     if intermediate % (16 * warps):  # a program's up half would reach past the up rows
         raise ValueError(f"config: the gate/up MMA needs 16 x num_warps to divide the intermediate size "
                          f"({intermediate}); got {plan}")
-    _, strides, fmt = _weight_args(w)
+    ptrs, strides, flags = _mma_weight_args(w)
     pdl = _pdl(plan, x.device)
     hidden = x.shape[1]
     _gate_up_mma_kernel[(topk_ids.numel(), intermediate // (16 * warps))](
-        x, w.qweight, w.scales, _or(w.zeros, w.scales), inter, topk_ids, hidden, intermediate, w.num_experts,
-        x.stride(0), *strides, inter.stride(0), TOP_K=topk_ids.shape[1], GROUP=128 if fmt["GROUP"] == -1 else
-        fmt["GROUP"], PER_CHANNEL=fmt["GROUP"] == -1, HAS_ZERO=fmt["HAS_ZERO"], TILES=tiles, STAGES=stages,
-        MASK_K=hidden % 128 != 0, PDL=pdl, launch_pdl=pdl, TRIGGER_START=trigger_start, num_warps=warps,
+        x, *ptrs, inter, topk_ids, hidden, intermediate, w.num_experts, x.stride(0), *strides, inter.stride(0),
+        TOP_K=topk_ids.shape[1], TILES=tiles, STAGES=stages, MASK_K=hidden % 128 != 0, PDL=pdl, launch_pdl=pdl,
+        TRIGGER_START=trigger_start, num_warps=warps, **flags,
     )
+
+
+def _mma_weight_args(w: QuantizedExperts) -> tuple[tuple, tuple, dict]:
+    """(words, scales, zero points) pointers, strides and format constexprs of the tensor-core GEMVs (per channel:
+    GROUP 128, unread, and PER_CHANNEL)."""
+    _, strides, fmt = _weight_args(w)
+    flags = dict(GROUP=128 if fmt["GROUP"] == -1 else fmt["GROUP"], PER_CHANNEL=fmt["GROUP"] == -1,
+                 HAS_ZERO=fmt["HAS_ZERO"])
+    return (w.qweight, w.scales, _or(w.zeros, w.scales)), strides, flags
 
 
 def _mma_plan(plan: dict, reps: int) -> tuple[int, int, int]:
@@ -328,7 +336,7 @@ def _down_mma(inter: torch.Tensor, w: QuantizedExperts, topk_ids: torch.Tensor, 
     if intermediate % 16:  # the ring copies the intermediate's rows in 16-byte pieces
         raise ValueError(f"config: the down MMA needs an intermediate size that is a multiple of 16, got "
                          f"{intermediate}")
-    _, strides, fmt = _weight_args(w)
+    ptrs, strides, flags = _mma_weight_args(w)
     num_tiles = triton.cdiv(intermediate, 128)
     per_split = triton.cdiv(num_tiles, plan.get("SPLIT_K", 1))
     splits = triton.cdiv(num_tiles, per_split)
@@ -336,11 +344,10 @@ def _down_mma(inter: torch.Tensor, w: QuantizedExperts, topk_ids: torch.Tensor, 
                 torch.empty(splits, num_pairs, hidden, dtype=torch.float32, device=inter.device))
     pdl = _pdl(plan, inter.device)
     _down_mma_kernel[(num_pairs, triton.cdiv(hidden, 16 * warps * reps), splits)](
-        inter, w.qweight, w.scales, _or(w.zeros, w.scales), pair_out, topk_ids, topk_weights, hidden, intermediate,
-        w.num_experts, per_split, inter.stride(0), *strides, pair_out.stride(-2),
-        pair_out.stride(0) if splits > 1 else 0, GROUP=128 if fmt["GROUP"] == -1 else fmt["GROUP"],
-        PER_CHANNEL=fmt["GROUP"] == -1, HAS_ZERO=fmt["HAS_ZERO"], REPS=reps, TILES=tiles, STAGES=stages,
-        MASK_K=intermediate % 128 != 0, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        inter, *ptrs, pair_out, topk_ids, topk_weights, hidden, intermediate, w.num_experts, per_split,
+        inter.stride(0), *strides, pair_out.stride(-2), pair_out.stride(0) if splits > 1 else 0, REPS=reps,
+        TILES=tiles, STAGES=stages, MASK_K=intermediate % 128 != 0, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        **flags,
     )
     return pair_out
 

@@ -17,6 +17,18 @@ from .mma_gemv import _mma_acc
 
 
 @gluon.jit
+def _store_token_column(row_ptr, values, off_n, limit):
+    """Column 0 of ``values [rows, 8]`` (the pair's token; the MMA's other 7 columns are padding) at
+    ``row_ptr[off_n + r]`` for the rows below `limit`, in the row's dtype."""
+    ROWS: gl.constexpr = values.shape[0]
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [gl.num_warps(), 1], [0, 1])
+    n = off_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    m = gl.arange(0, 8, layout=gl.SliceLayout(0, layout))
+    gl.store(row_ptr + n[:, None] + m[None, :] * 0, gl.convert_layout(values, layout).to(row_ptr.dtype.element_ty),
+             mask=(n < limit)[:, None] & (m == 0)[None, :])
+
+
+@gluon.jit
 def _gate_up_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr, H, I, num_experts, stride_xt, stride_we,
                         stride_wn, stride_se, stride_sg, stride_it, TOP_K: gl.constexpr, GROUP: gl.constexpr,
                         PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, TILES: gl.constexpr,
@@ -44,12 +56,7 @@ def _gate_up_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr, H, I, nu
             tl.extra.cuda.gdc_launch_dependents()
         gate, up = acc.reshape([2, HALF, 8]).permute((1, 2, 0)).split()
         act = gate / (1.0 + gl.exp(-gate)) * up
-        out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [WARPS, 1], [0, 1])
-        act = gl.convert_layout(act, out_layout)
-        n = off_n + gl.arange(0, HALF, layout=gl.SliceLayout(1, out_layout))
-        m = gl.arange(0, 8, layout=gl.SliceLayout(0, out_layout))
-        gl.store(inter_ptr + p.to(gl.int64) * stride_it + n[:, None] + m[None, :] * 0,
-                 act.to(inter_ptr.dtype.element_ty), mask=(n < I)[:, None] & (m == 0)[None, :])
+        _store_token_column(inter_ptr + p.to(gl.int64) * stride_it, act, off_n, I)
 
 
 @gluon.jit
@@ -79,9 +86,5 @@ def _down_mma_kernel(inter_ptr, w_ptr, s_ptr, z_ptr, pair_out_ptr, ids_ptr, topk
                        False)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [WARPS, 1], [0, 1])
-        result = gl.convert_layout(acc, out_layout) * gl.load(topk_w_ptr + p).to(gl.float32)
-        n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
-        m = gl.arange(0, 8, layout=gl.SliceLayout(0, out_layout))
-        gl.store(pair_out_ptr + split.to(gl.int64) * stride_split + p.to(gl.int64) * stride_pt + n[:, None]
-                 + m[None, :] * 0, result.to(pair_out_ptr.dtype.element_ty), mask=(n < H)[:, None] & (m == 0)[None, :])
+        _store_token_column(pair_out_ptr + split.to(gl.int64) * stride_split + p.to(gl.int64) * stride_pt,
+                            acc * gl.load(topk_w_ptr + p).to(gl.float32), off_n, H)
