@@ -1,6 +1,6 @@
 """w4a16's sm_90a compile cases (`hubtools.sm90_compile`): `python sm90_compile.py BUILD CASES`, BUILD a kernel
 build folder (`hubtools.build.build_kernel`'s), CASES a JSON list of ``[kind, plan, fmt, m]`` (kind: ``"wgmma"``
-or ``"mma"``; fmt: ``"int4"``, ``"zp"``, ``"mins"`` or ``"nf4"``), each run through its launcher
+or ``"mma"``; fmt: ``"int4"``, ``"zp"``, ``"mins"`` or ``"nf4"``, with ``-gN`` a group size), each run through its launcher
 (`_launch_wgmma` / `_launch_mma`). Run by `test_w4a16_sm90_compile.py`."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from hubtools.sm90_compile import import_build, report, start
 
 
 def _weights(fmt: str, n: int, k: int):
-    """Packed words and parameters of the shapes a format has (values do not matter: nothing runs)."""
-    group = 64 if fmt == "nf4" else 128
+    """Packed words and parameters of the shapes a format has (values do not matter: nothing runs). A suffix
+    ``-gN`` sets the group size (else 64 for NF4, 128 for int4)."""
+    fmt, _, group = fmt.partition("-g")
+    group = int(group) if group else 64 if fmt == "nf4" else 128
     qweight = torch.zeros(n, k // 8, dtype=torch.int32)
     scales = torch.ones(k // group, n, dtype=torch.float16)
     zeros = torch.zeros(k // group, n, dtype=torch.uint8) if fmt == "zp" else None

@@ -383,11 +383,15 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, split)
     splits = triton.cdiv(num_tiles, per_split)
-    # plan "scales_tma" (E54, on unless the plan says False): one scale group a K-tile (g >= 128, per channel) comes
-    # through the ring with the words; 1.005-1.11x over the consumers' own loads on every shape, format and dtype
-    # measured (H100, docs/design/w4a16.md runs 147-148)
-    scales_tma = bool(plan.get("scales_tma", True)) and (group_size == -1 or group_size >= 128)
-    group_row = sum(p.element_size() for p in (scales, zeros, mins) if p is not None) * block_n if scales_tma else 0
+    # plan "scales_tma": the K-tile's group rows of scales (zero points, minima) come through the ring with the
+    # words. E54 (one group a K-tile: g >= 128, per channel; on unless the plan says False): 1.005-1.11x over the
+    # consumers' own loads on every shape, format and dtype measured (H100, docs/design/w4a16.md runs 147-148).
+    # E80 (groups of 32 / 64: 4 / 2 rows a box) only where a plan sets it, until measured.
+    one_group = group_size == -1 or group_size >= 128
+    scales_tma = bool(plan.get("scales_tma", one_group))
+    group_rows = 1 if one_group else 128 // group_size
+    group_row = (sum(p.element_size() for p in (scales, zeros, mins) if p is not None) * block_n * group_rows
+                 if scales_tma else 0)
     # the output by TMA stores where TMA can write it and its buffers (per 64-row chain 64 columns of x's dtype or
     # 32 of fp32) fit beside the ring: 1.02-1.07x over pointer stores after a layout conversion, the stores of one
     # block overlapping the next block's start (docs/design/w4a16.md E50)
@@ -426,7 +430,7 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     if scales_tma:
         s_desc, z_desc, m_desc = (
             x_desc if p is None else GluonDescriptor(p, [p.shape[0], (last - first) * block_n], [p.stride(0), 1],
-                                                     [1, block_n], gl.NVMMASharedLayout(0, p.element_size() * 8))
+                                                     [group_rows, block_n], gl.NVMMASharedLayout(0, p.element_size() * 8))
             for p in (scales, zeros, mins))
     else:
         s_desc = z_desc = m_desc = x_desc

@@ -93,7 +93,7 @@ def _load_partition(ring, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZE
             mbarrier.wait(w_empty.index(s), phase ^ 1)
             mbarrier.expect(w_ready.index(s), w_bytes)
             tma.async_copy_global_to_shared(w_desc, [off_n, (tile0 + t) * 16], w_ready.index(s), w_bufs.index(s))
-            if SCALES_TMA:
+            if SCALES_TMA:  # the K-tile's group rows (one, or 128 // GROUP for groups of 32 / 64)
                 g = 0 if PER_CHANNEL else (tile0 + t) * 128 // GROUP
                 tma.async_copy_global_to_shared(s_desc, [g, off_n], w_ready.index(s), s_bufs.index(s))
                 if HAS_ZERO:
@@ -177,15 +177,39 @@ def _chain_params(stored, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl
 
 
 @gluon.jit
-def _chain_stored_smem(s_buf, z_buf, m_buf, ROW0: gl.constexpr, layout: gl.constexpr, HAS_ZERO: gl.constexpr,
+def _chain_stored_smem(s_buf, z_buf, m_buf, START: gl.constexpr, layout: gl.constexpr, HAS_ZERO: gl.constexpr,
                        HAS_MIN: gl.constexpr, CHAINS: gl.constexpr):
-    """The K-tile's group parameters for the CHAINS 64-row chains from ROW0 on (as `_chain_stored`), from the ring
-    stage's ``[1, BLOCK_N]`` buffers the loader filled by TMA (SCALES_TMA): unswizzled, so a flat view of the row
-    is the same bytes."""
-    first = _row_stored_smem(s_buf, z_buf, m_buf, ROW0, layout, HAS_ZERO, HAS_MIN)
+    """A group's parameters for the CHAINS 64-row chains whose first row is element START of the ring stage's
+    flattened buffers (as `_chain_stored`), which the loader filled by TMA (SCALES_TMA): unswizzled, so a flat
+    view of the ``[groups, BLOCK_N]`` box is the same bytes, row after row."""
+    first = _row_stored_smem(s_buf, z_buf, m_buf, START, layout, HAS_ZERO, HAS_MIN)
     if CHAINS == 2:
-        return first, _row_stored_smem(s_buf, z_buf, m_buf, ROW0 + 64, layout, HAS_ZERO, HAS_MIN)
+        return first, _row_stored_smem(s_buf, z_buf, m_buf, START + 64, layout, HAS_ZERO, HAS_MIN)
     return first, first
+
+
+@gluon.jit
+def _tile_params_smem(s_buf, z_buf, m_buf, ROW0: gl.constexpr, layout: gl.constexpr, HAS_ZERO: gl.constexpr,
+                      HAS_MIN: gl.constexpr, NF4: gl.constexpr, dtype: gl.constexpr, CHAINS: gl.constexpr):
+    """Every group's converted parameters of the K-tile in the ring stage (`_chain_params`), one pair of chains'
+    per group row of its box (1, 2 or 4): read right after the words' barrier, so the stage can go back to the
+    loader before the tile's later groups are used (E80). Unused entries repeat the first."""
+    groups: gl.constexpr = s_buf.type.shape[0]
+    width: gl.constexpr = s_buf.type.shape[1]
+    first = _chain_params(_chain_stored_smem(s_buf, z_buf, m_buf, ROW0, layout, HAS_ZERO, HAS_MIN, CHAINS),
+                          HAS_ZERO, HAS_MIN, NF4, dtype)
+    second = first
+    third = first
+    fourth = first
+    if groups >= 2:
+        second = _chain_params(_chain_stored_smem(s_buf, z_buf, m_buf, width + ROW0, layout, HAS_ZERO, HAS_MIN,
+                                                  CHAINS), HAS_ZERO, HAS_MIN, NF4, dtype)
+    if groups == 4:
+        third = _chain_params(_chain_stored_smem(s_buf, z_buf, m_buf, 2 * width + ROW0, layout, HAS_ZERO, HAS_MIN,
+                                                 CHAINS), HAS_ZERO, HAS_MIN, NF4, dtype)
+        fourth = _chain_params(_chain_stored_smem(s_buf, z_buf, m_buf, 3 * width + ROW0, layout, HAS_ZERO, HAS_MIN,
+                                                  CHAINS), HAS_ZERO, HAS_MIN, NF4, dtype)
+    return first, second, third, fourth
 
 
 @gluon.jit
@@ -205,8 +229,8 @@ def _row_stored_smem(s_buf, z_buf, m_buf, row: gl.constexpr, layout: gl.constexp
 
 @gluon.jit
 def _flat(buf):
-    """A ``[1, BLOCK_N]`` unswizzled buffer as the 1-D row it holds."""
-    return buf._reinterpret(buf.dtype, [buf.type.shape[1]], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    """A ``[groups, BLOCK_N]`` unswizzled buffer as the 1-D rows it holds, one after the other."""
+    return buf._reinterpret(buf.dtype, [buf.type.shape[0] * buf.type.shape[1]], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
 
 @gluon.jit
@@ -333,18 +357,19 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
             s = step % stages
             phase = (step // stages) & 1
             mbarrier.wait(w_ready.index(s), phase)
-            if SCALES_TMA:  # brought with the words (one group a K-tile)
-                params0, params1 = _chain_params(
-                    _chain_stored_smem(s_bufs.index(s), z_bufs.index(s), m_bufs.index(s), ROW0,
-                                       gl.SliceLayout(1, a_layout), HAS_ZERO, HAS_MIN, CHAINS), HAS_ZERO, HAS_MIN,
-                    NF4, dtype)
+            if SCALES_TMA:  # brought with the words: every group of the K-tile
+                tile_params = _tile_params_smem(s_bufs.index(s), z_bufs.index(s), m_bufs.index(s), ROW0,
+                                                gl.SliceLayout(1, a_layout), HAS_ZERO, HAS_MIN, NF4, dtype, CHAINS)
+                params0, params1 = tile_params[0]
             words0 = w_bufs.index(s).slice(ROW0, 64, dim=0).load(a_layout)
             if TWO:
                 words1 = w_bufs.index(s).slice(ROW0 + 64, 64, dim=0).load(a_layout)
             mbarrier.wait(x_ready.index(s), phase)
             x_tile = x_bufs.index(s)
             for j in gl.static_range(8):
-                if not one_group and (16 * j) % GROUP == 0:
+                if SCALES_TMA and not one_group and (16 * j) % GROUP == 0:
+                    params0, params1 = tile_params[(16 * j) // GROUP]
+                elif not one_group and (16 * j) % GROUP == 0:
                     params0, params1 = _chain_params(
                         _chain_stored(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows, HAS_ZERO,
                                       HAS_MIN, CHAINS), HAS_ZERO, HAS_MIN, NF4, dtype)
