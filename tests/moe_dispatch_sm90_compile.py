@@ -3,7 +3,7 @@ CASES a JSON list of ``[fmt, group_size, dtype, block_m, num_stages]`` (fmt: ``"
 dtype: ``"float16"`` or ``"bfloat16"``), each run through the grouped Gluon launcher (`launch._grouped_wgmma`:
 the row gather, then the gate / up and the down kernel) on Qwen3-30B-A3B's expert shapes, or of
 ``["mma", fmt, group_size, dtype, plan]``, run through the tensor-core GEMVs' launchers (`launch._gate_up_mma`,
-`launch._down_mma`) at one token. Run by `test_moe_dispatch_sm90_compile.py`."""
+`launch._down_mma`) at one token (the plan's "FOLD_COMBINE": the gate/up GEMV zeroes the fold's counts). Run by `test_moe_dispatch_sm90_compile.py`."""
 
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ def main(build: str, cases: str) -> None:
             x = torch.randn(1, H, dtype=getattr(torch, dtype))
             ids = torch.zeros(1, TOP_K, dtype=torch.int32)
 
-            def both():
-                launch._gate_up_mma(x, w_gate_up, torch.empty(TOP_K, I), ids, plan, False)
+            def both():  # with FOLD_COMBINE in the plan the gate/up GEMV zeroes a token's 4 fold counts
+                launch._gate_up_mma(x, w_gate_up, torch.empty(TOP_K, I), ids, plan, False,
+                                    torch.empty(4, dtype=torch.int32), 4 if plan.get("FOLD_COMBINE") else 0)
                 launch._down_mma(torch.empty(TOP_K, I, dtype=x.dtype), w_down, ids, torch.rand(1, TOP_K), plan)
 
             report(compiled, both)

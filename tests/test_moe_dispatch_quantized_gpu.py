@@ -227,6 +227,39 @@ def test_mma_gate_up(k, plan, name, dtype, H, T):
     assert rel_error(out, picked_reference(k, x, q_gate_up, q_down, weights, ids)) <= TOL
 
 
+@pytest.mark.parametrize("name,dtype", [("int4-g128", torch.bfloat16), ("int4-zp-g128", torch.float16)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_mma_gate_up_keeps_the_fold(k, name, dtype, T):
+    """The tensor-core gate/up GEMV zeroes the packed down GEMV's fold counts (its plan's FOLD_COMBINE): the layer
+    with the fold, five calls and five CUDA-graph replays into NaN-poisoned outputs, is bit-equal to the same plans
+    with the combine launch (the fold sums a token's pairs in the combine's order), on Qwen3-30B-A3B's expert size.
+    A count left from the call before would make a fold sum early or never: the repeats would differ."""
+    q_gate_up, q_down, x, weights, ids = decode_case(k, 16, 2048, 768, name, 5, dtype, T)
+    up = {**MMA_PLANS["w4-t4-s2"], "PDL": True, "PDL_TRIGGER": "start"}
+    down = {**PACKED_PLANS["tma"], "PDL": True, "PRELOAD_WORDS": True, "num_warps": 1, "BLOCK_N": 8}
+    tk = k.ops.triton_kernels
+
+    def run(config):
+        out = torch.full(x.shape, float("nan"), device="cuda", dtype=dtype)
+        tk.experts(x, q_gate_up, q_down, weights, ids, out, config=config)
+        return out
+
+    want = run({"GEMV": True, "gate_up": up, "down": down})
+    folded = {"GEMV": True, "gate_up": up, "down": {**down, "FOLD_COMBINE": True}}
+    for _ in range(5):
+        assert torch.equal(run(folded), want)
+    out = torch.full(x.shape, float("nan"), device="cuda", dtype=dtype)
+    tk.experts(x, q_gate_up, q_down, weights, ids, out, config=folded)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.experts(x, q_gate_up, q_down, weights, ids, out, config=folded)
+    for _ in range(5):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, want)
+    assert rel_error(want, picked_reference(k, x, q_gate_up, q_down, weights, ids)) <= TOL
+
+
 MMA_DOWN_PLANS = {
     "w4-t4-s2": {"MMA": True, "num_warps": 4, "TILES": 4, "num_stages": 2, "PDL": True},
     "w2-reps2-t2-s3-split3": {"MMA": True, "num_warps": 2, "REPS": 2, "TILES": 2, "num_stages": 3, "SPLIT_K": 3},
@@ -256,8 +289,8 @@ def test_mma_down(k, plan, name, dtype, H, I, T):
 
 
 def test_mma_gate_up_refuses(k):
-    """MMA with a format it does not take (NF4, float minima), the fold (whose counts the packed gate/up GEMV
-    zeroes) or the down GEMV's preload is a ValueError naming the key, not another kernel's answer."""
+    """MMA with a format it does not take (NF4, float minima), or a tensor-core down GEMV asked for the fold or the
+    preload (keys of the packed down GEMV), is a ValueError naming the key, not another kernel's answer."""
     E, H, I, top_k = 4, 1024, 256, 2
     x = torch.randn(1, H, device="cuda").bfloat16()
     weights, ids = routing(1, E, top_k)
@@ -271,7 +304,7 @@ def test_mma_gate_up_refuses(k):
     (q_gate_up, q_down), _ = layer(k, E, H, I, "int4-g128")
     with pytest.raises(ValueError, match="FOLD_COMBINE"):
         tk.experts(x, q_gate_up, q_down, weights, ids, out, config={
-            "GEMV": True, "gate_up": MMA_PLANS["w4-t4-s2"], "down": {**PACKED_PLANS["tma"], "FOLD_COMBINE": True}})
+            "GEMV": True, "gate_up": PACKED_PLANS["tma"], "down": {**MMA_DOWN_PLANS["w4-t4-s2"], "FOLD_COMBINE": True}})
     with pytest.raises(ValueError, match="PRELOAD_WORDS"):
         tk.experts(x, q_gate_up, q_down, weights, ids, out, config={
             "GEMV": True, "gate_up": PACKED_PLANS["tma"], "down": {**MMA_DOWN_PLANS["w4-t4-s2"], "PRELOAD_WORDS": True}})

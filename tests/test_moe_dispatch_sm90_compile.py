@@ -27,6 +27,9 @@ MMA_CASES = {  # ["mma", fmt, group_size, dtype, plan]: the tensor-core GEMVs
     "mma-zp-g32-fp16": ["mma", "zp", 32, "float16", {"num_warps": 2, "TILES": 8, "num_stages": 3}],
     "mma-zp-channel-bf16": ["mma", "zp", -1, "bfloat16", {"num_warps": 1, "TILES": 2, "num_stages": 4}],
     "mma-int4-g256-fp16": ["mma", "int4", 256, "float16", {"num_warps": 4, "TILES": 2, "num_stages": 3}],
+    # the gate/up GEMV zeroing the packed down GEMV's fold counts
+    "mma-int4-g128-bf16-fold": ["mma", "int4", 128, "bfloat16", {"num_warps": 2, "TILES": 4, "num_stages": 3,
+                                                                  "FOLD_COMBINE": True}],
 }
 
 

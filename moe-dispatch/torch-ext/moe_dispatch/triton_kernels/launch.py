@@ -198,9 +198,8 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     mma_down = _plan_choice(down, "MMA", (False, True), False)
     if (trigger != "end" or preload or fold) and not ((packed_up or mma_up) and (packed_down or mma_down)):
         raise ValueError("config: PDL_TRIGGER, PRELOAD_WORDS and FOLD_COMBINE apply to the packed-fp16 GEMVs only")
-    if (preload or fold) and mma_down or fold and mma_up:
-        raise ValueError("config: PRELOAD_WORDS and FOLD_COMBINE need the packed down GEMV, and FOLD_COMBINE the "
-                         "packed gate/up GEMV (it zeroes the fold's counts), not MMA")
+    if (preload or fold) and mma_down:
+        raise ValueError("config: PRELOAD_WORDS and FOLD_COMBINE need the packed down GEMV, not MMA")
     for part, w, mma in (("gate_up", w_gate_up, mma_up), ("down", w_down, mma_down)):
         if mma and not mma_gemv_supported(x, w):
             raise ValueError(f"config: {part} MMA needs int4 experts without minima (groups of 32, 64, multiples of "
@@ -214,7 +213,7 @@ def _gemvs(x: torch.Tensor, w_gate_up: QuantizedExperts, w_down: QuantizedExpert
     down_blocks = triton.cdiv(H, down["BLOCK_N"]) if fold else 0
     counts = torch.empty(T * down_blocks, dtype=torch.int32, device=x.device) if fold else topk_ids
     if mma_up:
-        _gate_up_mma(x, w_gate_up, inter, topk_ids, up, trigger == "start")
+        _gate_up_mma(x, w_gate_up, inter, topk_ids, up, trigger == "start", counts, down_blocks)
     elif packed_up:
         _gate_up_h2_kernel[(num_pairs, triton.cdiv(intermediate, up["BLOCK_N"]))](
             x, _words_arg(w_gate_up, up), *gu_ptrs[:2], inter, topk_ids, counts,
@@ -278,10 +277,11 @@ def mma_gemv_supported(x: torch.Tensor, w: QuantizedExperts) -> bool:
 
 
 def _gate_up_mma(x: torch.Tensor, w: QuantizedExperts, inter: torch.Tensor, topk_ids: torch.Tensor, plan: dict,
-                 trigger_start: bool) -> None:
+                 trigger_start: bool, counts: torch.Tensor | None = None, count_blocks: int = 0) -> None:
     """`mma._gate_up_mma_kernel` into `inter` [P, I] (fp32, or the activations' dtype before a tensor-core down
     GEMV): one program per (token, slot) pair and 16 x num_warps rows of the intermediate, TILES K-tiles an
-    iteration through a ring of num_stages (>= 2) slots."""
+    iteration through a ring of num_stages (>= 2) slots. With `count_blocks` (the down plan's FOLD_COMBINE) it
+    zeroes each token's `count_blocks` arrival counts in `counts` first."""
     # imported here: Triton builds without Gluon never reach this launcher (`_gemvs` checks `mma_gemv_supported`)
     from .mma import _gate_up_mma_kernel
 
@@ -294,9 +294,10 @@ def _gate_up_mma(x: torch.Tensor, w: QuantizedExperts, inter: torch.Tensor, topk
     pdl = _pdl(plan, x.device)
     hidden = x.shape[1]
     _gate_up_mma_kernel[(topk_ids.numel(), intermediate // (16 * warps))](
-        x, *ptrs, inter, topk_ids, hidden, intermediate, w.num_experts, x.stride(0), *strides, inter.stride(0),
-        TOP_K=topk_ids.shape[1], TILES=tiles, STAGES=stages, MASK_K=hidden % 128 != 0, PDL=pdl, launch_pdl=pdl,
-        TRIGGER_START=trigger_start, num_warps=warps, **flags,
+        x, *ptrs, inter, topk_ids, topk_ids if counts is None else counts, hidden, intermediate, w.num_experts,
+        count_blocks, x.stride(0), *strides, inter.stride(0), TOP_K=topk_ids.shape[1], TILES=tiles, STAGES=stages,
+        MASK_K=hidden % 128 != 0, PDL=pdl, launch_pdl=pdl, TRIGGER_START=trigger_start,
+        ZERO_COUNTS=count_blocks > 0, num_warps=warps, **flags,
     )
 
 

@@ -29,14 +29,30 @@ def _store_token_column(row_ptr, values, off_n, limit):
 
 
 @gluon.jit
-def _gate_up_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr, H, I, num_experts, stride_xt, stride_we,
-                        stride_wn, stride_se, stride_sg, stride_it, TOP_K: gl.constexpr, GROUP: gl.constexpr,
-                        PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, TILES: gl.constexpr,
-                        STAGES: gl.constexpr, MASK_K: gl.constexpr, PDL: gl.constexpr, TRIGGER_START: gl.constexpr):
+def _zero_counts(counts_ptr, p, count_blocks, TOP_K: gl.constexpr):
+    """The first program of each token (its first pair, first row block) zeroes the token's `count_blocks` arrival
+    counts of the packed down GEMV's fold (`gemv._fold_combine`), as `gemv._zero_counts` does in the packed gate/up
+    GEMV: the down GEMV touches them only after its wait for this grid."""
+    if (p % TOP_K == 0) & (gl.program_id(1) == 0):
+        WIDTH: gl.constexpr = 32 * gl.num_warps()
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        base = counts_ptr + (p // TOP_K).to(gl.int64) * count_blocks
+        for i in range(0, count_blocks, WIDTH):
+            offs = i + gl.arange(0, WIDTH, layout=layout)
+            gl.store(base + offs, gl.zeros([WIDTH], gl.int32, layout=layout), mask=offs < count_blocks)
+
+
+@gluon.jit
+def _gate_up_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr, counts_ptr, H, I, num_experts, count_blocks,
+                        stride_xt, stride_we, stride_wn, stride_se, stride_sg, stride_it, TOP_K: gl.constexpr,
+                        GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, TILES: gl.constexpr,
+                        STAGES: gl.constexpr, MASK_K: gl.constexpr, PDL: gl.constexpr, TRIGGER_START: gl.constexpr,
+                        ZERO_COUNTS: gl.constexpr):
     """inter[p, n] = silu(gate) * up of pair p's token through its expert, for 16 x warps rows n from program_id(1)
     on (x as the MMA's 8-token B operand, the pair's token in its first column). PDL: launched as a programmatic
     dependent of the routing; lets the down GEMV launch once its K loop is done, or with TRIGGER_START right after
-    its wait (as `gemv._gate_up_h2_kernel`)."""
+    its wait (as `gemv._gate_up_h2_kernel`). ZERO_COUNTS: zeroes the packed down GEMV's arrival counts first
+    (`_zero_counts`, for its fold)."""
     WARPS: gl.constexpr = gl.num_warps()
     HALF: gl.constexpr = 16 * WARPS
     if PDL:  # as `tiles._pdl_wait` (Triton's own griddepcontrol builtins run in Gluon too)
@@ -44,6 +60,8 @@ def _gate_up_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, ids_ptr, H, I, nu
         if TRIGGER_START:
             tl.extra.cuda.gdc_launch_dependents()
     p = gl.program_id(0)
+    if ZERO_COUNTS:
+        _zero_counts(counts_ptr, p, count_blocks, TOP_K)
     e = gl.load(ids_ptr + p)
     if (e >= 0) & (e < num_experts):  # other ids select nothing; the combine skips their pairs
         e64 = e.to(gl.int64)
