@@ -232,22 +232,22 @@ WGMMA_4BIT = {
 }
 
 
-def _quant_cases(tk, k, names, tokens):
+def _quant_cases(tk, k, names, tokens, group_size=128):
     """(model name, T, layer copies, call(config) -> fn(i), reference output, bound seconds) for 4-bit experts
-    (int4 g128, bf16 activations): rotated layer copies and the benchmark's routed inputs; `call` runs `experts`
-    alone."""
+    (int4 symmetric in groups of `group_size`, g128 unless given; bf16 activations): rotated layer copies and the
+    benchmark's routed inputs; `call` runs `experts` alone."""
     from .moe_dispatch import QUANT_FORMATS, QUANT_MAX_COPIES, QuantCase, make_quantized_layers, quant_expert_bytes
     from ..measure import measure_copy_bandwidth, rotation_count
 
     copy_bw = measure_copy_bandwidth()
-    spec = QUANT_FORMATS["int4-g128"]
+    spec = {**QUANT_FORMATS["int4-g128"], "group_size": group_size}
     for name in names:
         m = MODELS[name]
         expert_bytes = quant_expert_bytes(k, m, spec)
         copies = rotation_count(m.top_k * expert_bytes, max_copies=QUANT_MAX_COPIES)
         layers = make_quantized_layers(k, m, copies, spec)
         for T in tokens:
-            case = QuantCase(k, m, layers, T, "int4-g128", expert_bytes, seed=T)
+            case = QuantCase(k, m, layers, T, f"int4-g{group_size}", expert_bytes, seed=T)
             outs = [torch.empty_like(x) for x in case.xs]
 
             def call(config, case=case, outs=outs):

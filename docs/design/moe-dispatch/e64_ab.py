@@ -5,7 +5,8 @@ without the keys, then interleaved CUDA-graph replays (`time_graphs_interleaved`
 the plan without the keys and the full variant (torch.profiler over eager calls), which says where the time goes.
 Run 157 timed the first form of this script (with the refuted "lines" prefetch) at T = 1 and 4.
 
-    python docs/design/moe-dispatch/e64_ab.py BUILD_DIR OUT.json [model ...]   (env ROUNDS, default 7; TOKENS, "1 4")
+    python docs/design/moe-dispatch/e64_ab.py BUILD_DIR OUT.json [model ...]   (env ROUNDS, default 7; TOKENS, "1 4";
+                                                                               GROUP, the int4 group size, 128)
 
 env VARIANTS='{"name": [{gate_up keys}, {down keys}], ...}' times those instead (any plan keys, over the same base;
 "without" is added as the reference).
@@ -38,16 +39,18 @@ if "VARIANTS" in os.environ:
     PROFILED = tuple(VARIANTS)
 rounds = int(os.environ.get("ROUNDS", 7))
 tokens = [int(t) for t in os.environ.get("TOKENS", "1 4").split()]
+group = int(os.environ.get("GROUP", 128))
 k = kernels.get_local_kernel(Path(build))
 tk = k.ops.triton_kernels
 warm_clocks()
 rows = []
-for name, T, copies, call, ref, bound in _quant_cases(tk, k, names or ["qwen3-30b-a3b"], tokens):
+for name, T, copies, call, ref, bound in _quant_cases(tk, k, names or ["qwen3-30b-a3b"], tokens, group):
     m = MODELS[name]
+    # groups under 128 run the fp32 GEMVs (`launch.packed_gemv`)
     default = tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, torch.device("cuda"),
-                                quantized=True, packed=True)
+                                quantized=True, packed=group >= 128)
     if not default.get("GEMV"):
-        print(f"{name} T={T}: not on the packed GEMVs", flush=True)
+        print(f"{name} T={T}: not on the GEMVs", flush=True)
         continue
     base = {part: {key: v for key, v in default[part].items() if key not in KEYS[part]} for part in KEYS}
     one_step = -(-m.intermediate // 128) <= base["down"]["TILES"]
