@@ -159,14 +159,23 @@ def test_decode_overlap_bit_equal(k, variant, name, dtype, T):
     sizes = {key: value for key, value in down.items() if key in SIZES}
     shipped = {"GEMV": True, "gate_up": plan, "down": {**plan, **sizes}}
     trial = {"GEMV": True, "gate_up": {**plan, **up}, "down": {**plan, **down}}
+    out = assert_calls_bit_equal(k, x, q_gate_up, q_down, weights, ids, shipped, trial)
+    if T > 1:
+        assert not out[1].any()
+    assert rel_error(out, picked_reference(k, x, q_gate_up, q_down, weights, ids)) <= TOL
+
+
+def assert_calls_bit_equal(k, x, q_gate_up, q_down, weights, ids, reference_config, config):
+    """`experts` with `config`, five calls and five CUDA-graph replays into poisoned outputs, each bit-equal to
+    one call with `reference_config`; returns the last output."""
     tk = k.ops.triton_kernels
-    expected = torch.full(x.shape, float("nan"), device="cuda", dtype=dtype)
-    tk.experts(x, q_gate_up, q_down, weights, ids, expected, config=shipped)
+    expected = torch.full(x.shape, float("nan"), device="cuda", dtype=x.dtype)
+    tk.experts(x, q_gate_up, q_down, weights, ids, expected, config=reference_config)
     out = torch.empty_like(expected)
 
     def call():
         out.fill_(float("nan"))
-        tk.experts(x, q_gate_up, q_down, weights, ids, out, config=trial)
+        tk.experts(x, q_gate_up, q_down, weights, ids, out, config=config)
 
     for _ in range(5):
         call()
@@ -180,9 +189,7 @@ def test_decode_overlap_bit_equal(k, variant, name, dtype, T):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
-    if T > 1:
-        assert not out[1].any()
-    assert rel_error(out, picked_reference(k, x, q_gate_up, q_down, weights, ids)) <= TOL
+    return out
 
 
 MMA_PLANS = {  # the tensor-core gate/up GEMV's plans (`launch._gate_up_mma`): warps, K-tiles an iteration, ring
@@ -237,27 +244,10 @@ def test_mma_gate_up_keeps_the_fold(k, name, dtype, T):
     q_gate_up, q_down, x, weights, ids = decode_case(k, 16, 2048, 768, name, 5, dtype, T)
     up = {**MMA_PLANS["w4-t4-s2"], "PDL": True, "PDL_TRIGGER": "start"}
     down = {**PACKED_PLANS["tma"], "PDL": True, "PRELOAD_WORDS": True, "num_warps": 1, "BLOCK_N": 8}
-    tk = k.ops.triton_kernels
-
-    def run(config):
-        out = torch.full(x.shape, float("nan"), device="cuda", dtype=dtype)
-        tk.experts(x, q_gate_up, q_down, weights, ids, out, config=config)
-        return out
-
-    want = run({"GEMV": True, "gate_up": up, "down": down})
+    combined = {"GEMV": True, "gate_up": up, "down": down}
     folded = {"GEMV": True, "gate_up": up, "down": {**down, "FOLD_COMBINE": True}}
-    for _ in range(5):
-        assert torch.equal(run(folded), want)
-    out = torch.full(x.shape, float("nan"), device="cuda", dtype=dtype)
-    tk.experts(x, q_gate_up, q_down, weights, ids, out, config=folded)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tk.experts(x, q_gate_up, q_down, weights, ids, out, config=folded)
-    for _ in range(5):
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, want)
-    assert rel_error(want, picked_reference(k, x, q_gate_up, q_down, weights, ids)) <= TOL
+    out = assert_calls_bit_equal(k, x, q_gate_up, q_down, weights, ids, combined, folded)
+    assert rel_error(out, picked_reference(k, x, q_gate_up, q_down, weights, ids)) <= TOL
 
 
 MMA_DOWN_PLANS = {
