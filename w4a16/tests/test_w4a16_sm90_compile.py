@@ -28,8 +28,6 @@ CASES = {
     # E80: groups of 64 / 32 through the ring, two / four group rows a box
     "wgmma-nf4-scales-tma": ["wgmma", {**TILE, "split_k": 1, "scales_tma": True}, "nf4", 300],
     "wgmma-zp-g32-scales-tma": ["wgmma", {**TILE, "split_k": 1, "scales_tma": True}, "zp-g32", 300],
-    # E81: NF4's output through one TMA-store buffer a consumer, beside the pair table
-    "wgmma-nf4-shared-store": ["wgmma", {**TILE, "split_k": 1, "scales_tma": True, "shared_store": True}, "nf4", 300],
     "wgmma-chains1-g64-scales-tma": ["wgmma", {"block_m": 256, "block_n": 128, "num_stages": 2, "inflight": 2,
                                                "chains": 1, "scales_tma": True}, "int4-g64", 300],
     "mma": ["mma", {"block_m": 8, "num_warps": 4}, "zp", 4],

@@ -20,9 +20,7 @@ x's rows are 16-byte aligned;
 dequant config): where `wgmma_supported`, run the Gluon kernel `triton_kernels.wgmma` instead, a dict of its
 ``block_m`` (tokens: at most 128, or 256 with one chain), ``block_n`` (rows: one or two dequantizing warpgroups
 of ``chains`` 64-row chains, 2 by default), ``inflight``, ``num_stages`` (TMA ring of words and x), ``scales_tma``
-(group parameters through the ring: on unless False where one group spans a K-tile, for groups of 32 / 64 only
-where True), ``shared_store`` (where a TMA-store buffer a chain does not fit, as beside NF4's pair table, one a
-consumer; off unless True) and ``split_k`` (a count,
+(group parameters through the ring where one group spans a K-tile; on unless False) and ``split_k`` (a count,
 or ``"auto"``: chosen per call by `wgmma_tail_split`, whole waves of tiles unsplit and the rest split in a second
 launch where that pays);
 ``mma``, in any config: where `mma_supported`, run the Gluon

@@ -402,12 +402,6 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     shared = _shared_memory_per_block(x.device.index) - 1024 - (NF4_PAIR_TABLE_BYTES if nf4_table else 0)
     consumers = block_n // (64 * chains)
     fits = ring + block_n * block_m * 2 <= shared
-    # plan "shared_store" (E81, opt-in until measured): where a buffer a chain does not fit (NF4's pair table
-    # displaces them), one a consumer that its two chains take in turn
-    store_buffers = 0
-    if not fits and plan.get("shared_store", False) and chains == 2:
-        fits = ring + consumers * block_m * 64 * 2 <= shared
-        store_buffers = consumers if fits else 0
     # a split's fp32 partial sums by TMA stores too (E51: 1.02x at M = 256) where their rows are 16-byte aligned
     # and a chain's fp32 tile a consumer fits, each part's rows padded to whole token tiles so that no tile's box
     # reaches into the next part
@@ -451,7 +445,7 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
             GROUP=128 if group_size == -1 else group_size, PER_CHANNEL=group_size == -1, HAS_ZERO=zeros is not None,
             HAS_MIN=mins is not None, NF4=codebook is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
             STAGES=plan.get("num_stages", 4), INFLIGHT=plan.get("inflight", 1), TMA_STORE=tma_store,
-            SCALES_TMA=scales_tma, CHAINS=chains, STORE_BUFFERS=store_buffers, num_warps=4, **nf4_table,
+            SCALES_TMA=scales_tma, CHAINS=chains, num_warps=4, **nf4_table,
         )
     if splits > 1:
         _reduce_splits(target, bias, out, n, False)

@@ -439,12 +439,6 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
             _store_tma_partial(acc0, c_bufs.index(consumer), out_desc, row, off_n + ROW0)
             if TWO:
                 _store_tma_partial(acc1, c_bufs.index(consumer), out_desc, row, off_n + ROW0 + 64)
-        elif TMA_STORE and c_bufs.type.shape[0] * 64 < w_bufs.type.shape[1]:
-            # one output buffer a consumer (E81): its second chain's store waits until the first's has read it
-            _store_tma(acc0, c_bufs.index(consumer), out_desc, bias_ptr, off_m, off_n + ROW0, N, HAS_BIAS, 1)
-            if TWO:
-                _store_tma(acc1, c_bufs.index(consumer), out_desc, bias_ptr, off_m, off_n + ROW0 + 64, N, HAS_BIAS,
-                           1)
         elif TMA_STORE:
             _store_tma(acc0, c_bufs.index(ROW0 // 64), out_desc, bias_ptr, off_m, off_n + ROW0, N, HAS_BIAS, CHAINS)
             if TWO:
@@ -466,12 +460,11 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, c
                   PER_CHANNEL: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_MIN: gl.constexpr, NF4: gl.constexpr,
                   HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr,
                   TMA_STORE: gl.constexpr, SCALES_TMA: gl.constexpr, CHAINS: gl.constexpr,
-                  NF4_SMEM: gl.constexpr = False, STORE_BUFFERS: gl.constexpr = 0):
+                  NF4_SMEM: gl.constexpr = False):
     """Output blocks (token tile, row tile of 128 or 256 of `columns`, K split) from `program_id` on, a grid apart
     (persistent programs); a block runs K-tiles [split * per_split, ...) of `num_tiles`; with PARTIAL its fp32
     partial sums go to ``out[split]`` (``[splits, M, N]``, bias added by the reduction), else its output is stored
-    through `out_ptr`, or with TMA_STORE through `out_desc` (`_store_tma`, from a shared-memory tile a 64-row chain,
-    or with STORE_BUFFERS = consumers one a consumer that its chains take in turn; with PARTIAL `_store_tma_partial` into
+    through `out_ptr`, or with TMA_STORE through `out_desc` (`_store_tma`; with PARTIAL `_store_tma_partial` into
     parts padded to whole token tiles). A consumer warpgroup per CHAINS 64-row chains (the first the default
     partition, a second a worker) and the loader warp, whose ring runs on across a program's blocks; INFLIGHT chunks
     of MMAs run beside the next chunk's dequantization. SCALES_TMA: the K-tile's group parameters come with its
@@ -499,9 +492,8 @@ def _wgmma_kernel(x_desc, w_desc, s_desc, z_desc, m_desc, s_ptr, z_ptr, m_ptr, c
         mbarrier.init(x_empty.index(i), count=consumers)
     if TMA_STORE and PARTIAL:  # per consumer two [BLOCK_M, 32] fp32 halves of a chain, as out_desc's block
         c_bufs = gl.allocate_shared_memory(gl.float32, [consumers, 2 * BLOCK_M, 32], out_desc.layout)
-    elif TMA_STORE:  # per 64-row chain (or with STORE_BUFFERS per consumer) a [BLOCK_M, 64] output tile
-        c_bufs = gl.allocate_shared_memory(dtype, [STORE_BUFFERS or BLOCK_N // 64] + out_desc.block_type.shape,
-                                           out_desc.layout)
+    elif TMA_STORE:  # per 64-row chain a [BLOCK_M, 64] output tile (out_desc's block)
+        c_bufs = gl.allocate_shared_memory(dtype, [BLOCK_N // 64] + out_desc.block_type.shape, out_desc.layout)
     else:
         c_bufs = w_bufs
     if SCALES_TMA:  # per stage the K-tile's group row of scales, zero points, minima ([1, BLOCK_N] boxes)
