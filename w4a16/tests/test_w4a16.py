@@ -271,8 +271,9 @@ def test_nf4_takes_its_own_tensor_core_tiles(k):
     where the group scales go on the operands (E3)."""
     for m in (1, 16, 64, 256, 1024):
         int4 = k.tuning.heuristic(m, 28672, 4096, 132)
-        nf4 = k.tuning.nf4_tiles(int4, m, 28672, 132, 64)
-        int4 = {key: value for key, value in int4.items() if key != "wgmma"}  # int4's tile is not NF4's (E42)
+        # the wgmma tiles apart (`test_nf4_takes_its_own_wgmma_tile`)
+        nf4, int4 = ({key: value for key, value in c.items() if key != "wgmma"}
+                     for c in (k.tuning.nf4_tiles(int4, m, 28672, 132, 64), int4))
         assert (nf4 == int4) == (m <= 16 or int4["kernel"] != "dot" or (m <= 64 and int4["block_n"] < 128))
     int4 = k.tuning.heuristic(256, 8192, 8192, 132)
     wide = k.tuning.nf4_tiles(int4, 256, 8192, 132, 64)
@@ -295,14 +296,21 @@ def test_nf4_dequantizes_where_its_wide_tiles_leave_sms_idle(k):
     assert k.tuning.select(64, 28672, 4096, torch.device("cpu"), nf4_group=64)["num_warps"] == 8
 
 
-def test_nf4_takes_the_wgmma_tile_only_from_its_own_keys(k):
-    """An entry's int4 `wgmma` tile is not NF4's (E42: issue-bound there); its ``"nf4"`` keys are, and int4 weights
-    never see them."""
+def test_nf4_takes_its_own_wgmma_tile(k):
+    """An entry's int4 `wgmma` tile is not NF4's: at 129-1024 tokens NF4 takes `NF4_WGMMA` where the int4 config
+    has one (E79), nowhere else; the entry's ``"nf4"`` keys override it, and int4 weights never see them."""
     wgmma = {"block_m": 128, "block_n": 256, "num_stages": 3}
+    for m, n in ((256, 28672), (512, 6144), (1024, 8192), (200, 8192)):
+        int4 = {**k.tuning.heuristic(m, n, 4096, 132), "wgmma": wgmma}
+        nf4 = k.tuning.nf4_tiles(int4, m, n, 132, 64)
+        assert nf4["wgmma"] == k.tuning.NF4_WGMMA, (m, n)
+        without = k.tuning.nf4_tiles({key: v for key, v in int4.items() if key != "wgmma"}, m, n, 132, 64)
+        assert "wgmma" not in without
+        assert {key: v for key, v in nf4.items() if key != "wgmma"} == without
+    for m in (64, 128, 1025, 4096):
+        int4 = {**k.tuning.heuristic(m, 28672, 4096, 132), "wgmma": wgmma}
+        assert "wgmma" not in k.tuning.nf4_tiles(int4, m, 28672, 132, 64), m
     int4 = {**k.tuning.heuristic(256, 28672, 4096, 132), "wgmma": wgmma}
-    assert "wgmma" not in k.tuning.nf4_tiles(int4, 256, 28672, 132, 64)
-    assert k.tuning.nf4_tiles(int4, 256, 28672, 132, 64) == k.tuning.nf4_tiles(
-        {key: value for key, value in int4.items() if key != "wgmma"}, 256, 28672, 132, 64)
     nf4_wgmma = {**wgmma, "split_k": 2}
     both = {**int4, "nf4": {"wgmma": nf4_wgmma}}
     assert k.tuning.nf4_tiles(both, 256, 28672, 132, 64)["wgmma"] == nf4_wgmma

@@ -274,14 +274,10 @@ WGMMA_TILES = {"128x128": {"block_m": 128, "num_stages": 4},
                "64x256-split3": {"block_m": 64, "block_n": 256, "num_stages": 4, "split_k": 3},
                "128x256-scales-loads": {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
                                         "scales_tma": False},
-               "128x256-scales-tma": {"block_m": 128, "block_n": 256, "num_stages": 3, "inflight": 2,
-                                      "scales_tma": True},
                "256x128-chains1": {"block_m": 256, "block_n": 128, "num_stages": 2, "inflight": 2, "chains": 1},
                "256x128-chains1-split2": {"block_m": 256, "block_n": 128, "num_stages": 2, "inflight": 2,
                                           "chains": 1, "split_k": 2},
-               "256x64-chains1": {"block_m": 256, "block_n": 64, "num_stages": 3, "chains": 1},
-               "256x128-chains1-scales-tma": {"block_m": 256, "block_n": 128, "num_stages": 2, "inflight": 2,
-                                              "chains": 1, "scales_tma": True}}
+               "256x64-chains1": {"block_m": 256, "block_n": 64, "num_stages": 3, "chains": 1}}
 
 
 def _wgmma_case(k, fmt, zero_point, group_size, dtype, tiles, m):
@@ -298,15 +294,13 @@ def _wgmma_case(k, fmt, zero_point, group_size, dtype, tiles, m):
                     reason="wgmma is Hopper's (sm_90a)")
 @pytest.mark.parametrize("fmt,zero_point,group_size", WGMMA_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tiles", ["128x256-inflight2", "64x128-split3", "128x256-scales-loads", "128x256-scales-tma",
-                                   "256x128-chains1"])
+@pytest.mark.parametrize("tiles", ["128x256-inflight2", "64x128-split3", "128x256-scales-loads", "256x128-chains1"])
 def test_wgmma_formats_vs_float64(k, fmt, zero_point, group_size, dtype, tiles):
     """Every format and activation dtype through the Gluon kernel (a TMA loader warp beside warpgroups dequantizing
     into their register operand) on poisoned outputs against float64, on the two code paths a format meets: two
     consumer warpgroups with two chunks of MMAs in flight and TMA stores, and one consumer with one chunk in flight
-    writing fp32 split parts (`_wgmma_case`); the first also with "scales_tma" off and on (by default one group a
-    K-tile comes through the ring by TMA: g >= 128 and per channel; groups of 32 / 64 keep their loads unless the
-    plan sets it, then 4 / 2 group rows come a K-tile); and two
+    writing fp32 split parts (`_wgmma_case`); the first also with "scales_tma" off (by default a K-tile's group
+    rows come through the ring by TMA: one for g >= 128 and per channel, 2 / 4 for groups of 64 / 32); and two
     warpgroups of one 64-row chain each on 256 tokens ("chains": 1, MMAs of N = 256)."""
     _wgmma_case(k, fmt, zero_point, group_size, dtype, WGMMA_TILES[tiles], 300)
 

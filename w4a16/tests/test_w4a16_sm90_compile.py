@@ -25,11 +25,11 @@ CASES = {
     "wgmma-scales-loads": ["wgmma", {**TILE, "scales_tma": False}, "zp", 300],
     "wgmma-chains1": ["wgmma", {"block_m": 256, "block_n": 128, "num_stages": 2, "inflight": 2, "chains": 1},
                       "int4", 300],
-    # E80: groups of 64 / 32 through the ring, two / four group rows a box
-    "wgmma-nf4-scales-tma": ["wgmma", {**TILE, "split_k": 1, "scales_tma": True}, "nf4", 300],
-    "wgmma-zp-g32-scales-tma": ["wgmma", {**TILE, "split_k": 1, "scales_tma": True}, "zp-g32", 300],
-    "wgmma-chains1-g64-scales-tma": ["wgmma", {"block_m": 256, "block_n": 128, "num_stages": 2, "inflight": 2,
-                                               "chains": 1, "scales_tma": True}, "int4-g64", 300],
+    # a K-tile's two / four group rows through the ring (groups of 64 / 32), and their loads by the consumers
+    "wgmma-zp-g32": ["wgmma", {**TILE, "split_k": 1}, "zp-g32", 300],
+    "wgmma-scales-loads-g64": ["wgmma", {**TILE, "split_k": 1, "scales_tma": False}, "nf4", 300],
+    "wgmma-chains1-g64": ["wgmma", {"block_m": 256, "block_n": 128, "num_stages": 2, "inflight": 2, "chains": 1},
+                          "int4-g64", 300],
     "mma": ["mma", {"block_m": 8, "num_warps": 4}, "zp", 4],
     "mma-ring": ["mma", {"block_m": 16, "num_warps": 4, "stages": 2, "tiles": 2}, "nf4", 16],
 }

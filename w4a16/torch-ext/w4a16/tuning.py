@@ -20,7 +20,7 @@ x's rows are 16-byte aligned;
 dequant config): where `wgmma_supported`, run the Gluon kernel `triton_kernels.wgmma` instead, a dict of its
 ``block_m`` (tokens: at most 128, or 256 with one chain), ``block_n`` (rows: one or two dequantizing warpgroups
 of ``chains`` 64-row chains, 2 by default), ``inflight``, ``num_stages`` (TMA ring of words and x), ``scales_tma``
-(group parameters through the ring where one group spans a K-tile; on unless False) and ``split_k`` (a count,
+(a K-tile's group parameters through the ring with its words; on unless False) and ``split_k`` (a count,
 or ``"auto"``: chosen per call by `wgmma_tail_split`, whole waves of tiles unsplit and the rest split in a second
 launch where that pays);
 ``mma``, in any config: where `mma_supported`, run the Gluon
@@ -218,14 +218,25 @@ def _note_heuristic(device_name: str, n: int, k: int) -> None:
 
 def nf4_tiles(config: dict, m: int, n: int, sm_count: int, group_size: int) -> dict:
     """An int4 config made NF4's (`_nf4_int4_tiles`), then the entry's ``"nf4"`` keys. NF4 does not take the int4
-    config's ``wgmma`` tile: its codebook lookup costs that kernel more issue slots than int4's dequantization
-    (by byte permutes it was issue-bound at 0.69x int4's time, docs/design/w4a16.md E42; from the shared-memory
-    pair table 0.96x on the H200, E74), and at M >= 1024 dequantize + cuBLAS ties or beats it. Where it wins
-    (M = 256 on the Llama-3 shapes, 1.07-1.55x on the H200), the table names the tile in the entry's ``"nf4"``
-    keys (`merge_compare` of NF4 results)."""
+    config's ``wgmma`` tile: its codebook lookup costs a dequantized operand more instructions than int4's (1.19x
+    in the K loop's SASS; by byte permutes it was issue-bound at 0.69x int4's time, docs/design/w4a16.md E42).
+    Where the int4 config has one at 129-1024 tokens, NF4 takes `NF4_WGMMA` instead: one 64-row chain a
+    warpgroup on 256 tokens, which dequantizes each weight half as often (E79). The table's ``"nf4"`` keys
+    (`merge_compare` of NF4 results) name other tiles per shape."""
     override = config.get("nf4", {})
     int4 = {key: value for key, value in config.items() if key not in ("wgmma", "nf4")}
-    return {**_nf4_int4_tiles(int4, m, n, sm_count, group_size), **override}
+    nf4 = _nf4_int4_tiles(int4, m, n, sm_count, group_size)
+    if "wgmma" in config and 128 < m <= NF4_WGMMA_MAX_M:
+        nf4 = {**nf4, "wgmma": NF4_WGMMA}
+    return {**nf4, **override}
+
+
+# NF4's wgmma tile (`nf4_tiles`, E79). On the H100 (run 190, NF4 g64, fp16 x, the 8 Llama-3 shapes, with E80's
+# scales through the ring): at M = 1024 1.04-1.33x dequantize + cuBLAS, which the table ran there (0.92-1.03x
+# cuBLAS fp16); at M = 256 1.13-1.40x the 128 x 256 tile the table named (0.99x on 8B o). At M = 4096 its 2-stage
+# ring starves (int4: 0.80-0.86x the 128 x 256 tile, run 147), so from 1025 tokens NF4 dequantizes.
+NF4_WGMMA = {"block_m": 256, "block_n": 128, "num_stages": 2, "inflight": 2, "chains": 1, "split_k": "auto"}
+NF4_WGMMA_MAX_M = 1024
 
 
 def _nf4_int4_tiles(config: dict, m: int, n: int, sm_count: int, group_size: int) -> dict:

@@ -383,12 +383,13 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     num_tiles = qweight.shape[1] // WORDS_PER_TILE
     per_split = triton.cdiv(num_tiles, split)
     splits = triton.cdiv(num_tiles, per_split)
-    # plan "scales_tma": the K-tile's group rows of scales (zero points, minima) come through the ring with the
-    # words. E54 (one group a K-tile: g >= 128, per channel; on unless the plan says False): 1.005-1.11x over the
+    # plan "scales_tma" (on unless the plan says False): the K-tile's group rows of scales (zero points, minima)
+    # come through the ring with the words. One group a K-tile (g >= 128, per channel; E54): 1.005-1.11x over the
     # consumers' own loads on every shape, format and dtype measured (H100, docs/design/w4a16.md runs 147-148).
-    # E80 (groups of 32 / 64: 4 / 2 rows a box) only where a plan sets it, until measured.
+    # Groups of 64 (two rows a box; E80, run 190, H100, M = 256 / 1024, 8 Llama-3 shapes): int4 with zero points
+    # 1.30-1.61x, NF4 1.04-1.21x but one case (0.96x); groups of 32 take four rows the same way.
     one_group = group_size == -1 or group_size >= 128
-    scales_tma = bool(plan.get("scales_tma", one_group))
+    scales_tma = bool(plan.get("scales_tma", True))
     group_rows = 1 if one_group else 128 // group_size
     group_row = (sum(p.element_size() for p in (scales, zeros, mins) if p is not None) * block_n * group_rows
                  if scales_tma else 0)
