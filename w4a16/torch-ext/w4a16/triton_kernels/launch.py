@@ -387,7 +387,7 @@ def _wgmma_columns(x, qweight, params, codebook, out, n, k, group_size, plan, fi
     # come through the ring with the words. One group a K-tile (g >= 128, per channel; E54): 1.005-1.11x over the
     # consumers' own loads on every shape, format and dtype measured (H100, docs/design/w4a16.md runs 147-148).
     # Groups of 64 (two rows a box; E80, run 190, H100, M = 256 / 1024, 8 Llama-3 shapes): int4 with zero points
-    # 1.30-1.61x, NF4 1.04-1.21x but one case (0.96x); groups of 32 take four rows the same way.
+    # 1.30-1.41x, NF4 1.04-1.21x but one case (0.96x); groups of 32 take four rows the same way.
     one_group = group_size == -1 or group_size >= 128
     scales_tma = bool(plan.get("scales_tma", True))
     group_rows = 1 if one_group else 128 // group_size

@@ -5,8 +5,9 @@ a program (`dot._dot_kernel`, docs/design/w4a16.md E2-E8); Triton 3.6's automati
 dequantization loops. Here a CTA is partitions sharing mbarrier rings:
 
 - a loader warp brings each 128-column K-tile by TMA: the tile's packed words ``[BLOCK_N, 16]`` and x's
-  ``[BLOCK_M, 128]`` (zero-filled past M and K), and with SCALES_TMA (plan "scales_tma", E54) the tile's group row
-  of scales, zero points and minima (one group a K-tile), which the consumers otherwise load themselves;
+  ``[BLOCK_M, 128]`` (zero-filled past M and K), and with SCALES_TMA (plan "scales_tma", E54 / E80) the tile's
+  group rows of scales, zero points and minima (one a group: 1, 2 or 4 a K-tile), which the consumers otherwise
+  load themselves;
 - one warpgroup per 128 rows of the tile (``block_n`` 128 or 256: one or two consumers) dequantizes each
   16-column K-chunk straight into the wgmma register operand (RS wgmma, weight rows as the MMA's M, tokens as its
   N) while the previous chunk's MMA runs, then writes ``out[M, N]`` (by TMA stores left in flight where it can,
