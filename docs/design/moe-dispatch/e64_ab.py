@@ -42,13 +42,15 @@ tokens = [int(t) for t in os.environ.get("TOKENS", "1 4").split()]
 group = int(os.environ.get("GROUP", 128))
 k = kernels.get_local_kernel(Path(build))
 tk = k.ops.triton_kernels
+# whether experts of this group size run the packed-fp16 GEMVs (`launch.packed_gemv`), asked of a small pair
+packed = tk.packed_gemv(k.quantize_experts(torch.randn(1, 2048, 1024), torch.randn(1, 1024, 1024),
+                                           group_size=group)[0], torch.bfloat16)
 warm_clocks()
 rows = []
 for name, T, copies, call, ref, bound in _quant_cases(tk, k, names or ["qwen3-30b-a3b"], tokens, group):
     m = MODELS[name]
-    # groups under 128 run the fp32 GEMVs (`launch.packed_gemv`)
     default = tk.default_config(T, m.experts, m.hidden, m.intermediate, m.top_k, torch.device("cuda"),
-                                quantized=True, packed=group >= 128)
+                                quantized=True, packed=packed)
     if not default.get("GEMV"):
         print(f"{name} T={T}: not on the GEMVs", flush=True)
         continue

@@ -368,12 +368,13 @@ def _consumer_partition(operands, GROUP: gl.constexpr, PER_CHANNEL: gl.constexpr
             mbarrier.wait(x_ready.index(s), phase)
             x_tile = x_bufs.index(s)
             for j in gl.static_range(8):
-                if SCALES_TMA and not one_group and (16 * j) % GROUP == 0:
-                    params0, params1 = tile_params[(16 * j) // GROUP]
-                elif not one_group and (16 * j) % GROUP == 0:
-                    params0, params1 = _chain_params(
-                        _chain_stored(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows, HAS_ZERO,
-                                      HAS_MIN, CHAINS), HAS_ZERO, HAS_MIN, NF4, dtype)
+                if not one_group and (16 * j) % GROUP == 0:  # the next group's parameters
+                    if SCALES_TMA:
+                        params0, params1 = tile_params[(16 * j) // GROUP]
+                    else:
+                        params0, params1 = _chain_params(
+                            _chain_stored(s_ptr, z_ptr, m_ptr, (tile * 128 + 16 * j) // GROUP, s_stride, rows,
+                                          HAS_ZERO, HAS_MIN, CHAINS), HAS_ZERO, HAS_MIN, NF4, dtype)
                 x_chunk = x_tile.slice(16 * j, 16, dim=1).permute((1, 0))
                 if NF4:
                     if j % 2 == 0:  # (j + 1's operands are kept for the next chunk)
