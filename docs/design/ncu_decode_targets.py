@@ -21,7 +21,8 @@ Gluon prefill kernel (128-token tiles, 3 stages, two chunks in flight: E37) at M
 shapes, cuBLAS fp16 beside; `wgmma4096`: the same at M = 4096 on 8B gate_up and 8B down. `moe16`: moe-dispatch
 `experts` at T = 1 with bf16 experts, Mixtral-8x7B and Qwen3-30B-A3B. `nf4`: NF4 g64 on the shipped launch (the
 pair table: E73 / E74) beside int4 g128 at M = 1 on 8B qkv, 8B o and 70B down (NF4 / int4 0.63-0.96 on the H100
-after E73) and at M = 256 on 8B gate_up and 70B o (the wgmma tile where the table names it).
+after E73), at M = 4 / 16 on 8B qkv and 70B down (the mma GEMV; NF4 / int4 0.67-0.70 on the H200, run 177) and at
+M = 256 on 8B gate_up and 70B o (the wgmma tile where the table names it).
 """
 import sys
 
@@ -90,7 +91,7 @@ with loaded_kernel(w4a16_project) as w4a16, loaded_kernel(moe_project) as moe:
                 cases.append((f"w4a16 nf4 {label} M=16", lambda x=x, qw=nf4: w4a16.matmul(x, qw)))
     if "nf4" in which:
         for label, k, n in wb.SHAPES:
-            tokens = [1] if label in ("L3-8B qkv", "L3-8B o", "L3-70B down") else []
+            tokens = [1] if label == "L3-8B o" else [1, 4, 16] if label in ("L3-8B qkv", "L3-70B down") else []
             tokens += [256] if label in ("L3-8B gate_up", "L3-70B o") else []
             if not tokens:
                 continue
