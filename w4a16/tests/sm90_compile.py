@@ -1,7 +1,8 @@
 """w4a16's sm_90a compile cases (`hubtools.sm90_compile`): `python sm90_compile.py BUILD CASES`, BUILD a kernel
-build folder (`hubtools.build.build_kernel`'s), CASES a JSON list of ``[kind, plan, fmt, m]`` (kind: ``"wgmma"``
-or ``"mma"``; fmt: ``"int4"``, ``"zp"``, ``"mins"`` or ``"nf4"``, with ``-gN`` a group size), each run through its launcher
-(`_launch_wgmma` / `_launch_mma`). Run by `test_w4a16_sm90_compile.py`."""
+build folder (`hubtools.build.build_kernel`'s), CASES a JSON list of ``[kind, plan, fmt, m]`` (kind: ``"wgmma"``,
+``"mma"`` or ``"gemv_h2"``; fmt: ``"int4"``, ``"zp"``, ``"mins"`` or ``"nf4"``, with ``-gN`` a group size),
+each run through its launcher (`_launch_wgmma` / `_launch_mma` / `_launch_gemv_h2`). Run by
+`test_w4a16_sm90_compile.py`."""
 
 from __future__ import annotations
 

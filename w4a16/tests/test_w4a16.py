@@ -593,6 +593,37 @@ def test_persistent_checked(k, per_sm):
         k.triton_kernels.launch._persistent_grid({"persistent": per_sm}, (4, 2, 1), torch.device("cpu"))
 
 
+@pytest.mark.parametrize("cap", [0, True, 96.0, 256, "96"])
+def test_register_cap_checked(k, cap):
+    """A "maxnreg" that is not a register count ptxas takes is refused by name before a launch."""
+    with pytest.raises(ValueError, match="maxnreg"):
+        k.triton_kernels.launch._register_cap({"maxnreg": cap})
+
+
+def test_register_cap_reaches_the_one_token_gemv(k, monkeypatch):
+    """The half2 GEMV plan's "maxnreg" is the launch's (and only given where the plan names it); the result is
+    checked against the float64 reference."""
+    launch = k.triton_kernels.launch
+    seen = []
+    kernel = launch._gemv_h2_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.append(kwargs.get("maxnreg"))
+                return kernel[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(launch, "_gemv_h2_kernel", Recording())
+    qw = k.quantize(_weight(N, 256, seed=41), group_size=64, fmt="nf4")
+    x = torch.randn(1, 256, generator=_gen(42)).half()
+    for plan, cap in (({"kernel": "gemv", "block_n": 32, "tiles": 2, "split_k": 1, "half2": {"maxnreg": 96}}, 96),
+                      ({"kernel": "gemv", "block_n": 32, "tiles": 2, "split_k": 1, "half2": True}, None)):
+        got = k.triton_kernels.matmul(x, qw.qweight, qw.scales, None, qw.codebook, None, N, 256, 64, plan)
+        assert seen[-1] == cap
+        assert _rel_err(got, _reference(k, x, qw)) < TOL[torch.float16]
+
+
 def test_nf4_lookup_choice_is_checked(k):
     """"nf4_shfl" takes true, false or "half"; anything else is refused by name before a launch."""
     with pytest.raises(ValueError, match="nf4_shfl"):

@@ -194,10 +194,24 @@ def _trigger_flag(plan: dict) -> dict:
     return dict(TRIGGER_START=trigger == "start")
 
 
+def _register_cap(plan: dict) -> dict:
+    """Triton's `maxnreg` from a plan's "maxnreg" (registers a thread). ptxas gives the NF4 one-token GEMV twice
+    int4's registers on the same plan (168 against 56-80 in sm_90a compiles) for latency it could hide with more
+    programs an SM; capped at 96 it compiles without spills to the same loop (E83). A cap above what ptxas takes
+    raises its count instead, so it is a plan's choice, not a default."""
+    cap = plan.get("maxnreg")
+    if cap is None:
+        return {}
+    if isinstance(cap, bool) or not isinstance(cap, int) or not 24 <= cap <= 255:
+        raise ValueError(f"config: maxnreg (registers a thread) must be an int from 24 to 255; got {cap!r}")
+    return {"maxnreg": cap}
+
+
 def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, group_size, plan) -> None:
     """`_gemv_h2_kernel` (`tuning.half2_supported` says for which formats)."""
     trigger = _trigger_flag(plan)
     nf4_table = _nf4_table_flags(plan, codebook)
+    register_cap = _register_cap(plan)
     grid, per_split, splits, target, flags = _gemv_grid(x, qweight, out, n, k, plan, bias)
     m, num_tiles = x.shape[0], qweight.shape[1] // WORDS_PER_TILE
     x_scaled = x.dtype == torch.bfloat16
@@ -227,7 +241,7 @@ def _launch_gemv_h2(x, qweight, scales, zeros, mins, codebook, bias, out, n, k, 
         NF4_SHFL=_nf4_shuffled_halves(plan, codebook),
         # masked tiles mask x per tile (MASK_TILES); descriptor boxes are loaded in the loop, not ahead
         **dict(flags, MASK_X=k % 128 != 0, PREFETCH=flags["PREFETCH"] and not w_desc), PDL=pdl, launch_pdl=pdl,
-        **trigger, **nf4_table, **persistent,
+        **trigger, **nf4_table, **persistent, **register_cap,
     )
     if splits > 1:
         _reduce_splits(target, bias, out, n, plan.get("swiglu", False), pdl)
