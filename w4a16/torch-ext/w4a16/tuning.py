@@ -10,7 +10,7 @@ in by TMA; with ``num_stages`` > 1 either is software-pipelined through shared m
 ``nf4_smem``: NF4 looked up in a 32 KB shared-memory table of value pairs, on by default, false for the PRMT
 lookup (the dot path takes the 32 KB table or a 16 KB half one, whichever leaves its programs an SM as they are;
 ``nf4_table_copies`` 32 or 16 pins one); ``persistent``: at most that many programs an SM, each taking row blocks
-in turn),
+in turn; ``maxnreg``: a cap on its registers a thread, `triton_kernels.launch._register_cap`),
 ``{"kernel": "dot", "block_m", "block_n", "split_k", "swap_ab", "full_tile", "packed",
 "num_warps", "num_stages", "x_desc", "w_desc"}`` (``packed``: operands made by integer ops where the format allows,
 see ``triton_kernels.dot._unit_pair``; ``x_desc`` / ``w_desc``: x and the weight words by TMA descriptors, where
