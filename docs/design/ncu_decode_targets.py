@@ -90,9 +90,10 @@ with loaded_kernel(w4a16_project) as w4a16, loaded_kernel(moe_project) as moe:
                 x = torch.randn(16, k, device="cuda", dtype=torch.float16)
                 cases.append((f"w4a16 nf4 {label} M=16", lambda x=x, qw=nf4: w4a16.matmul(x, qw)))
     if "nf4" in which:
+        nf4_tokens = {"L3-8B qkv": [1, 4, 16], "L3-8B o": [1], "L3-70B down": [1, 4, 16], "L3-8B gate_up": [256],
+                      "L3-70B o": [256]}
         for label, k, n in wb.SHAPES:
-            tokens = [1] if label == "L3-8B o" else [1, 4, 16] if label in ("L3-8B qkv", "L3-70B down") else []
-            tokens += [256] if label in ("L3-8B gate_up", "L3-70B o") else []
+            tokens = nf4_tokens.get(label, [])
             if not tokens:
                 continue
             weight = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
